@@ -1,0 +1,76 @@
+"""The pattern registry: op qualified name -> :class:`~pcppass.spec.WritePattern`.
+
+Built-in patterns live in ``patterns/`` (installed as ``pcppass.patterns``) and register themselves
+when :func:`load_builtin_patterns` imports them. Users add their own with :func:`register_pattern`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import threading
+
+from pcppass.spec import WritePattern
+
+_lock = threading.Lock()
+_by_op: dict[str, WritePattern] = {}
+_by_family: dict[str, WritePattern] = {}
+_builtins_loaded = False
+
+
+def register_pattern(pattern: WritePattern, *, replace: bool = False) -> WritePattern:
+    """Register ``pattern`` for every op name it lists (``"ns::op"``) or its aten family.
+
+    Raises ``ValueError`` if another pattern already claims one of its ops, unless ``replace``.
+    Returns the pattern, so it can be used as a module-level statement.
+    """
+    keys = list(pattern.ops)
+    with _lock:
+        if not replace:
+            for op in keys:
+                old = _by_op.get(op)
+                if old is not None and old is not pattern and old.name != pattern.name:
+                    raise ValueError(f"op {op} is already covered by pattern {old.name!r}")
+        for op in keys:
+            _by_op[op] = pattern
+        if pattern.aten_family:
+            _by_family[pattern.aten_family] = pattern
+    return pattern
+
+
+def unregister_pattern(name: str) -> None:
+    """Remove every registration of the pattern called ``name`` (used by negative controls)."""
+    with _lock:
+        for table in (_by_op, _by_family):
+            for key in [k for k, p in table.items() if p.name == name]:
+                del table[key]
+
+
+def pattern_for_op(qualified_name: str) -> WritePattern | None:
+    load_builtin_patterns()
+    return _by_op.get(qualified_name)
+
+
+def pattern_for_family(family: str) -> WritePattern | None:
+    load_builtin_patterns()
+    return _by_family.get(family)
+
+
+def all_patterns() -> list[WritePattern]:
+    load_builtin_patterns()
+    seen: dict[str, WritePattern] = {}
+    for p in list(_by_op.values()) + list(_by_family.values()):
+        seen.setdefault(p.name, p)
+    return list(seen.values())
+
+
+def load_builtin_patterns() -> None:
+    """Import every module of ``pcppass.patterns`` once (each registers its patterns)."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    import pcppass.patterns as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{mod.name}")
