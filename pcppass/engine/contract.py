@@ -33,8 +33,10 @@ class CacheGroupSpec:
 
     * ``full``: every position ``p`` -> ``table[p // bs] * bs + p % bs``; blocks shareable across
       requests with a common prefix.
-    * ``ring``: a per-request ring of ``window`` positions: ``q = p % window`` ->
-      ``table[q // bs] * bs + q % bs`` (sliding-window caches, compressor state).
+    * ``ring``: a per-request ring of ``ring_len = len(table_row) * bs`` positions, ``q = p % ring_len``
+      -> ``table[q // bs] * bs + q % bs``. The engine sizes the ring as ``window`` plus the most
+      positions one request can add in one step (so a step never overwrites a position that a row of
+      the same step still reads): sliding-window caches and compressor state.
     * ``compressed``: only positions closing a compression group (``(p + 1) % ratio == 0``) get a
       slot, for compressed index ``c = p // ratio`` -> ``table[c // bs] * bs + c % bs``; -1 elsewhere.
     """
@@ -42,17 +44,18 @@ class CacheGroupSpec:
     name: str
     block_size: int
     addressing: Addressing = "full"
-    window: int = 0  # ring
+    window: int = 0  # ring: positions a row may read back (sliding window, compressor span)
     ratio: int = 1  # compressed
 
-    def blocks_for(self, num_positions: int) -> int:
+    def ring_blocks(self, max_step_positions: int) -> int:
+        """Blocks of one request's ring, given the most positions a request adds in one step."""
+        return -(-(self.window + max_step_positions) // self.block_size)
+
+    def blocks_for(self, num_positions: int, max_step_positions: int) -> int:
         """Blocks a request with ``num_positions`` cached positions needs in this group."""
-        if self.addressing == "full":
-            n = num_positions
-        elif self.addressing == "ring":
-            n = self.window if num_positions > 0 else 0
-        else:
-            n = num_positions // self.ratio
+        if self.addressing == "ring":
+            return self.ring_blocks(max_step_positions) if num_positions > 0 else 0
+        n = num_positions if self.addressing == "full" else num_positions // self.ratio
         return -(-n // self.block_size)
 
     def slot(self, table_row: list[int], position: int) -> int:
@@ -61,7 +64,7 @@ class CacheGroupSpec:
         if self.addressing == "full":
             idx = position
         elif self.addressing == "ring":
-            idx = position % self.window
+            idx = position % (len(table_row) * bs)
         else:
             if (position + 1) % self.ratio:
                 return -1
