@@ -1,0 +1,5 @@
+import sys
+
+from pcppass.cli import main
+
+sys.exit(main())
