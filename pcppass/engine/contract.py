@@ -91,7 +91,11 @@ class CacheSpec:
 StepMeta = dict  # str -> torch.Tensor; the keys are documented below.
 STEP_META_DOC = """One step's inputs besides ``input_ids`` and ``positions`` (all int64 unless noted).
 
-    ``T`` local rows (padding included), ``R`` local requests (padded to at least 1).
+    ``T`` local rows (padding included, ``T >= 2``), ``R`` local requests. The engine pads ``R`` to
+    ``T`` so every per-row and per-request dim of a step has one size (one symbol under dynamic
+    shapes); padding requests have ``seq_lens == 0`` and an all-zero block table row. Block 0 of
+    every group is the null block: never allocated, never written, what 0-filled table columns
+    point at.
 
     * ``slot_mapping.<group>``: ``[T]`` slot of each row in that group (-1 for padding rows).
     * ``block_table.<group>``: ``[R, max_blocks]`` int64 block numbers (0-filled past the end).
@@ -109,3 +113,18 @@ def slot_key(group: str) -> str:
 
 def table_key(group: str) -> str:
     return f"block_table.{group}"
+
+
+#: Meta keys besides the per-group ``slot_key(group)`` / ``table_key(group)``.
+TOKEN_TO_REQ = "token_to_req"
+SEQ_LENS = "seq_lens"
+QUERY_START_LOC = "query_start_loc"
+IS_PADDING = "is_padding"
+
+#: Block 0 of every group: never allocated or written (see STEP_META_DOC).
+NULL_BLOCK = 0
+
+#: ``"decode"``: every row of the step (on every rank) is a decode row; ``"mixed"``: some rank runs
+#: prefill rows. Global to the step, so all ranks run the same graph.
+StepKind = Literal["decode", "mixed"]
+
