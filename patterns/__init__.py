@@ -1,0 +1,1 @@
+"""Built-in write patterns, one module per write family (loaded by ``pcppass.registry``)."""

@@ -136,6 +136,29 @@ class IndexedDim(RowLayout):
 
 
 @dataclass(frozen=True)
+class ByArgValue(RowLayout):
+    """The layout depends on a string/int argument of the op (e.g. ``kv_cache_dtype``).
+
+    ``cases`` maps argument values to layouts, as a tuple of pairs so the pattern stays hashable::
+
+        ByArgValue("kv_cache_dtype", (("auto", PagedRows()),
+                                      ("fp8_indexer", BlockSplit(value_arg="norm_weight"))))
+    """
+
+    kind: str = "by_arg_value"
+    arg: str = ""
+    cases: tuple[tuple[object, RowLayout], ...] = ()
+
+    def resolve(self, cache_shape, cache_itemsize, args):
+        value = args[self.arg]
+        for key, layout in self.cases:
+            if key == value:
+                return layout.resolve(cache_shape, cache_itemsize, args)
+        known = ", ".join(repr(k) for k, _ in self.cases)
+        raise ValueError(f"{self.arg}={value!r} has no layout (known: {known})")
+
+
+@dataclass(frozen=True)
 class CacheRole:
     """One cache an op writes: the argument holding it, its slot mapping and its layout."""
 

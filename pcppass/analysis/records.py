@@ -3,6 +3,9 @@
 Produced by :func:`pcppass.analysis.find_state_writes`, consumed by classification, the audit CLI
 and the rewrite. One :class:`StateWrite` per (mutating node, written state tensor): a fused op that
 writes two caches yields two records sharing ``node``.
+
+A record whose ``state_node`` is None describes an op that declares no write but takes a cache-like
+handle (a layer-name string): the analysis cannot see which tensor it writes.
 """
 
 from __future__ import annotations
@@ -26,12 +29,40 @@ class Uncovered(str, enum.Enum):
     USER_TRITON_KERNEL = "user Triton kernel writes state"
 
 
+class StateKind(str, enum.Enum):
+    """Where a persistent state tensor comes from (``grapharg.source`` of its placeholder)."""
+
+    BUFFER = "buffer"
+    PARAMETER = "parameter"
+    INPUT = "input"  # a forward argument (e.g. the ``caches`` dict of the model contract)
+    GLOBAL = "global"  # a module-level tensor the traced code reads
+    ATTRIBUTE = "attribute"  # a get_attr constant of the graph module
+    UNKNOWN = "unknown"  # a placeholder without source information (AOT / make_fx graphs)
+
+
+@dataclass(frozen=True)
+class ViewInfo:
+    """How the written tensor sits in its base state tensor (element units, symbolic allowed).
+
+    ``invertible`` is False when the chain holds an op that is not a known view (the alias was found
+    only through storage identity) or when the view overlaps itself (``expand``, zero strides), so
+    one written element is not one state element.
+    """
+
+    size: tuple
+    stride: tuple
+    storage_offset: object
+    ops: tuple[str, ...]  # view ops from base to written tensor, e.g. ("select", "view")
+    invertible: bool = True
+    why_not: str = ""
+
+
 @dataclass
 class StateWrite:
     node: torch.fx.Node  # the node that performs the write
     op: str  # qualified op name or aten method/function spelling ("aten::index_copy_")
     state: str  # the base state tensor's source name, e.g. "L['caches']['layers.0.kv']"
-    state_node: torch.fx.Node  # the base placeholder
+    state_node: torch.fx.Node | None  # the base placeholder (None: an undeclared handle)
     arg: str | None  # schema argument (or role) through which the write happens
     view_chain: list[torch.fx.Node] = field(default_factory=list)  # base -> written tensor
     source: str = "<unknown>"  # "file.py:123" from node.meta["stack_trace"]
@@ -39,6 +70,14 @@ class StateWrite:
     layout: ResolvedLayout | None = None
     reason: Uncovered | None = None
     detail: str = ""  # human-readable explanation (always set when uncovered)
+    #: the tensor node the op receives as ``arg`` (last of ``view_chain``, or ``state_node``)
+    written_node: torch.fx.Node | None = None
+    view: ViewInfo | None = None
+    state_kind: StateKind = StateKind.UNKNOWN
+    #: aten family of an in-place spelling ("index_copy_", "setitem", ...); None for schema ops
+    family: str | None = None
+    #: the call's arguments by schema name (nodes or constants): slot mappings, row inputs, dims
+    bound_args: dict[str, object] = field(default_factory=dict)
 
     @property
     def covered(self) -> bool:
@@ -47,3 +86,12 @@ class StateWrite:
     @property
     def bytes_per_row(self) -> int | None:
         return self.layout.bytes_per_row if self.layout is not None else None
+
+    def describe(self) -> str:
+        where = f"{self.state}" + (f" via {self.arg}" if self.arg else "")
+        status = (
+            f"covered by {self.pattern.name} ({self.pattern.recipe.value})"
+            if self.covered
+            else f"UNCOVERED: {self.reason.value if self.reason else 'unclassified'}: {self.detail}"
+        )
+        return f"{self.op} writes {where} at {self.source}: {status}"

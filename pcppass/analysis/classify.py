@@ -1,0 +1,210 @@
+"""Classify each state write: covered (pattern, recipe, resolved layout) or uncovered with a reason.
+
+Order of the checks, each an early return with its reason:
+
+1. the op declares no write but takes a cache-like handle: already marked by the finder;
+2. no pattern covers the op: a user Triton kernel, an unknown mutating op, or (for in-place aten
+   spellings with no row index: ``add_``, ``fill_``, ``copy_`` into a fixed region) non-row state;
+3. the written tensor is a view the rewrite cannot invert;
+4. the layout does not resolve on the written tensor (wrong rank, sizes that depend on a dynamic
+   dim, an index form that is not one row index): unknown layout;
+5. covered: ``record.pattern`` and ``record.layout`` (bytes per row) are set.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+from pcppass.analysis.records import StateWrite, Uncovered
+from pcppass.analysis.views import is_base_flattened_paged, node_value
+from pcppass.registry import pattern_for_family, pattern_for_op
+from pcppass.spec import CacheRole, ResolvedLayout, WritePattern
+
+#: In-place aten families that select rows through an index or mask: a row write in principle,
+#: but with no pattern describing which argument addresses the rows.
+INDEXED_FAMILIES = frozenset({
+    "index_copy_", "index_put_", "setitem", "scatter_", "scatter_add_", "scatter_reduce_",
+    "index_add_", "index_fill_", "index_reduce_", "masked_scatter_", "masked_fill_", "put_",
+    "_index_put_impl_",
+})
+
+
+class _DynamicSize(Exception):
+    """A layout needed the concrete value of a symbolic size."""
+
+
+class _Dynamic:
+    """A symbolic dim handed to a layout's ``resolve``: using its value raises, never guards."""
+
+    def __init__(self, sym: object):
+        self.sym = sym
+
+    def __int__(self) -> int:
+        raise _DynamicSize(str(self.sym))
+
+    __index__ = __int__
+
+    def __repr__(self) -> str:
+        return str(self.sym)
+
+
+def _static_shape(shape) -> tuple:
+    return tuple(int(d) if is_concrete_int(d) else _Dynamic(d) for d in shape)
+
+
+class _ArgValue:
+    """What a layout sees of a tensor argument: its (static where known) shape and dtype."""
+
+    def __init__(self, value: torch.Tensor):
+        self.shape = _static_shape(value.shape)
+        self.dtype = value.dtype
+        self.ndim = value.dim()
+
+
+def _layout_args(bound: dict[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, value in bound.items():
+        if isinstance(value, torch.fx.Node):
+            v = node_value(value)
+            out[name] = _ArgValue(v) if isinstance(v, torch.Tensor) else v
+        else:
+            out[name] = value
+    return out
+
+
+def _role_for(pattern: WritePattern, arg: str | None) -> CacheRole | None:
+    base = arg.split("[", 1)[0] if arg else arg
+    return next((c for c in pattern.caches if c.arg in (arg, base)), None)
+
+
+def _uncovered(record: StateWrite, reason: Uncovered, detail: str) -> None:
+    record.reason = reason
+    record.detail = detail
+    record.layout = None
+
+
+def _resolve(record: StateWrite, role: CacheRole, written_value: torch.Tensor) -> None:
+    try:
+        record.layout = role.layout.resolve(
+            _static_shape(written_value.shape),
+            written_value.element_size(),
+            _layout_args(record.bound_args),
+        )
+    except _DynamicSize as exc:
+        _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
+                   f"{role.layout.kind} layout of {record.arg} needs the size {exc}, which is dynamic")
+    except (ValueError, KeyError, IndexError, TypeError, ZeroDivisionError) as exc:
+        _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
+                   f"{role.layout.kind} layout does not fit {record.arg} "
+                   f"{list(written_value.shape)}: {exc}")
+
+
+def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
+    family = record.family or ""
+    if pattern is None:
+        if family in INDEXED_FAMILIES:
+            _uncovered(record, Uncovered.UNKNOWN_MUTATING_OP,
+                       f"{record.op} writes {record.state} through an index, "
+                       f"and no pattern covers {family}")
+        else:
+            _uncovered(record, Uncovered.NON_ROW_STATE,
+                       f"{record.op} updates {record.state} as a whole, not rows addressed by a "
+                       f"slot mapping (e.g. a counter every rank bumps)")
+        return
+    role = pattern.caches[0]
+    written = node_value(record.written_node)
+    if family == "index_copy_":
+        dim = record.bound_args.get("dim")
+        if not isinstance(dim, int):
+            _uncovered(record, Uncovered.UNKNOWN_LAYOUT, f"index_copy_ along a non-constant dim {dim}")
+            return
+        _resolve(record, CacheRole(role.arg, role.slots, type(role.layout)(dim=dim)), written)
+        return
+    # setitem / index_put_: exactly one integer index tensor, after full slices only
+    index = record.bound_args.get("indices")
+    items = list(index) if isinstance(index, (tuple, list)) else [index]
+    tensors = [i for i, it in enumerate(items) if isinstance(it, torch.fx.Node)]
+    if not tensors and all(isinstance(it, (int, slice, type(None), type(Ellipsis))) for it in items):
+        _uncovered(record, Uncovered.NON_ROW_STATE,
+                   f"{record.op} writes a fixed region of {record.state} selected by constants, "
+                   f"not rows addressed by a slot mapping")
+        return
+    if len(tensors) != 1 or any(
+        it != slice(None) for it in items[: tensors[0]]
+    ) or len(items) > tensors[0] + 1 and any(it != slice(None) for it in items[tensors[0] + 1:]):
+        _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
+                   f"{record.op} on {record.state}: index {items!r} is not one row-index tensor")
+        return
+    dim = tensors[0]
+    index_value = node_value(items[dim])
+    if not isinstance(index_value, torch.Tensor) or index_value.dtype in (torch.bool, torch.uint8) \
+            or index_value.dim() != 1:
+        _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
+                   f"{record.op} on {record.state}: the index is not a 1-D integer tensor")
+        return
+    base = node_value(record.state_node)
+    if dim == 0 and record.view is not None and is_base_flattened_paged(base, record.view):
+        # view = base[nb, bs, *row] flattened: index i is slot i of the paged base
+        row_bytes = base.element_size()
+        for d in _static_shape(base.shape[2:]):
+            if isinstance(d, _Dynamic):
+                _uncovered(record, Uncovered.UNKNOWN_LAYOUT, f"row size depends on dynamic {d}")
+                return
+            row_bytes *= d
+        block_size = base.shape[1]
+        if not is_concrete_int(block_size):
+            _uncovered(record, Uncovered.UNKNOWN_LAYOUT, f"block size {block_size} is dynamic")
+            return
+        record.layout = ResolvedLayout("paged_rows", int(block_size), row_bytes)
+        return
+    _resolve(record, CacheRole(role.arg, role.slots, type(role.layout)(dim=dim)), written)
+
+
+def classify_write(record: StateWrite) -> StateWrite:
+    """Attach pattern + layout, or reason + detail, to one record (in place; returned)."""
+    if record.reason is not None:
+        return record  # marked by the finder (undeclared handle)
+    if record.family is not None:
+        pattern = pattern_for_family(record.family)
+    else:
+        pattern = pattern_for_op(record.op)
+    record.pattern = pattern
+    if pattern is None and record.family is None:
+        if record.op.startswith("triton::"):
+            _uncovered(record, Uncovered.USER_TRITON_KERNEL,
+                       f"user Triton kernel {record.op[8:]} writes {record.state} through "
+                       f"{record.arg}; register a pattern for {record.op!r} to cover it")
+        else:
+            _uncovered(record, Uncovered.UNKNOWN_MUTATING_OP,
+                       f"{record.op} writes {record.state} through {record.arg} and no pattern "
+                       f"covers it; register one with pcppass.register_pattern")
+        return record
+    if record.view is not None and not record.view.invertible:
+        _uncovered(record, Uncovered.NON_INVERTIBLE_VIEW,
+                   f"{record.arg} of {record.op} is a view of {record.state} through "
+                   f"{' -> '.join(record.view.ops)}: {record.view.why_not}")
+        return record
+    if record.family is not None:
+        _classify_family(record, pattern)
+        return record
+    role = _role_for(pattern, record.arg)
+    if role is None:
+        _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
+                   f"pattern {pattern.name} declares no cache role for argument {record.arg} "
+                   f"of {record.op}")
+        return record
+    if not isinstance(record.bound_args.get(role.slots), torch.fx.Node):
+        _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
+                   f"pattern {pattern.name}: slot argument {role.slots!r} of {record.op} "
+                   f"is not a tensor in the graph")
+        return record
+    _resolve(record, role, node_value(record.written_node))
+    return record
+
+
+def classify_writes(records: list[StateWrite]) -> list[StateWrite]:
+    for record in records:
+        classify_write(record)
+    return records
