@@ -1,0 +1,48 @@
+"""Errors raised by the backend, the rewrite and the sync runtime.
+
+Each error says what is wrong, where (op, state tensor, source line) and what to do about it: a
+decode-sharding mistake otherwise shows up steps later as a wrong token on another rank.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from pcppass.analysis.records import StateWrite
+
+
+class PcpError(RuntimeError):
+    """Base class of every pcppass error."""
+
+
+class PcpCoverageError(PcpError):
+    """The traced graph writes persistent state that no pattern covers.
+
+    Decode sharding would leave the replicas of that state different. ``writes`` holds every
+    uncovered :class:`~pcppass.analysis.records.StateWrite` (all of them, not just the first).
+    """
+
+    def __init__(self, writes: Sequence["StateWrite"]):
+        self.writes = list(writes)
+        lines = [
+            f"{len(self.writes)} write(s) into persistent state are not covered by any pattern; "
+            "decode sharding would leave replicas divergent:"
+        ]
+        for w in self.writes:
+            why = w.reason.value if w.reason is not None else "no pattern"
+            detail = f" ({w.detail})" if w.detail else ""
+            lines.append(f"  - {w.op} writes {w.state} at {w.source}: {why}{detail}")
+        lines.append(
+            "Register a WritePattern for the op (pcppass.register_pattern), or compile with "
+            "PcpBackend(on_uncovered='replicate') to keep decode replicated."
+        )
+        super().__init__("\n".join(lines))
+
+
+class PcpInputError(PcpError, ValueError):
+    """A step's inputs break the execution contract (checked before the graph runs; state untouched)."""
+
+
+class PcpSyncError(PcpError):
+    """Replica synchronisation found ranks out of step (different graphs, conflicting owners)."""

@@ -1,0 +1,357 @@
+"""Row movement for replica synchronisation: read written rows, pack, check, unpack, scatter.
+
+The rewrite (:mod:`pcppass.rewrite.insert`) wires these ops around one functional all-gather per
+step (deferred schedule) or per write site (immediate schedule)::
+
+    packed   = pcppass.sync_pack(fingerprint, caches, cache_slots, layouts, payloads)   # this rank
+    gathered = wait_tensor(all_gather_into_tensor(packed, world, group))                # every rank
+    index    = pcppass.sync_read_header(gathered, world, fingerprint, num_segments, verify)
+    pcppass.sync_scatter_rows(cache, gathered, index, rows_seg, slots_seg, layout, ...)  # COPY_ROWS
+    arg_all  = pcppass.sync_unpack(gathered, index, seg, like, group, mask_own_rows)      # RERUN
+
+Packed buffer of one rank (uint8)::
+
+    | "PCPSYNC1" | fingerprint (16 B) | num_segments (i64) | segment sizes (i64 each) | segments... |
+
+Segments are, in order: the bytes of every cache's rows at its slots (``[n, bytes_per_row]``, zeros
+for slot -1), then every payload tensor's raw bytes (slot mappings, re-run inputs). Every rank packs
+the same segments with the same sizes (rows are padded to one count per step), so the all-gather is
+equal-sized; the header lets every rank verify that before it touches its replica.
+
+Rows are addressed through a resolved layout encoded as ints (:func:`encode_layout`):
+``paged_rows`` (``cache[s // bs, s % bs]``, any strides), ``block_split`` (byte segments inside a
+block, the indexer-cache layout) and ``indexed_dim`` (``cache.index_select(dim, s)``). Bytes are
+moved through same-width integer views, so every dtype (fp8, bf16, fp32) is copied bit for bit.
+
+These are opaque custom ops with plain-torch implementations (CPU and CUDA); the mutating one
+declares ``mutates_args`` so functionalization orders every later read of the cache after it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pcppass.spec import ResolvedLayout
+
+MAGIC = b"PCPSYNC1"
+FINGERPRINT_BYTES = 16
+_FIXED_HEADER = len(MAGIC) + FINGERPRINT_BYTES + 8
+
+_KIND_CODES = {"paged_rows": 0, "block_split": 1, "indexed_dim": 2}
+_KIND_NAMES = {v: k for k, v in _KIND_CODES.items()}
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def header_bytes(num_segments: int) -> int:
+    return _FIXED_HEADER + 8 * num_segments
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+# ---------------------------------------------------------------------------------------------
+
+
+def encode_layout(layout: ResolvedLayout) -> list[int]:
+    """``[kind, block_size, bytes_per_row, dim, nseg, (base, stride, length) * nseg]``."""
+    out = [_KIND_CODES[layout.kind], layout.block_size, layout.bytes_per_row, layout.dim,
+           len(layout.segments)]
+    for seg in layout.segments:
+        out.extend(int(x) for x in seg)
+    return out
+
+
+def decode_layouts(encoded: list[int]) -> list[ResolvedLayout]:
+    """Inverse of concatenated :func:`encode_layout` results."""
+    layouts, i = [], 0
+    while i < len(encoded):
+        kind, bs, bpr, dim, nseg = encoded[i:i + 5]
+        i += 5
+        segs = tuple(tuple(encoded[i + 3 * k:i + 3 * k + 3]) for k in range(nseg))
+        i += 3 * nseg
+        layouts.append(ResolvedLayout(_KIND_NAMES[kind], bs, bpr, segments=segs, dim=dim))
+    return layouts
+
+
+def num_slots(cache: torch.Tensor, layout: ResolvedLayout) -> int:
+    """How many slots ``cache`` has under ``layout`` (valid slots are ``[0, num_slots)``)."""
+    if layout.kind == "paged_rows":
+        return cache.shape[0] * cache.shape[1]
+    if layout.kind == "block_split":
+        return cache.shape[0] * layout.block_size
+    return cache.shape[layout.dim]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Same-width integer view: indexing and copying it moves exact bit patterns."""
+    return t.view(_BITS[t.element_size()])
+
+
+def _block_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, bytes_per_block]`` uint8 view of a block-split cache (must be a view)."""
+    return cache.view(torch.uint8).view(cache.shape[0], -1)
+
+
+def _segment_columns(offsets: torch.Tensor, base: int, stride: int, length: int) -> torch.Tensor:
+    return base + offsets[:, None] * stride + torch.arange(length, device=offsets.device)[None, :]
+
+
+def read_rows(cache: torch.Tensor, slots: torch.Tensor, layout: ResolvedLayout) -> torch.Tensor:
+    """Bytes of the rows at ``slots`` (all valid) as ``[n, layout.bytes_per_row]`` uint8."""
+    n = slots.numel()
+    if layout.kind == "paged_rows":
+        bs = cache.shape[1]
+        rows = _bits(cache)[slots // bs, slots % bs]
+        return rows.reshape(n, -1).contiguous().view(torch.uint8)
+    if layout.kind == "indexed_dim":
+        rows = _bits(cache).index_select(layout.dim, slots).movedim(layout.dim, 0)
+        return rows.reshape(n, -1).contiguous().view(torch.uint8)
+    flat = _block_bytes(cache)
+    bs = layout.block_size
+    blocks, offsets = slots // bs, slots % bs
+    parts = [flat[blocks[:, None], _segment_columns(offsets, *seg)] for seg in layout.segments]
+    return torch.cat(parts, dim=1)
+
+
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+               layout: ResolvedLayout) -> None:
+    """Inverse of :func:`read_rows`: store ``rows`` (``[n, bytes_per_row]`` uint8) at ``slots``."""
+    n = slots.numel()
+    rows = rows.contiguous()
+    if layout.kind == "paged_rows":
+        bits = _bits(cache)
+        bs = cache.shape[1]
+        values = rows.view(bits.dtype).reshape(n, *cache.shape[2:])
+        bits[slots // bs, slots % bs] = values
+        return
+    if layout.kind == "indexed_dim":
+        bits = _bits(cache)
+        rest = [d for i, d in enumerate(cache.shape) if i != layout.dim]
+        values = rows.view(bits.dtype).reshape(n, *rest).movedim(0, layout.dim)
+        bits.index_copy_(layout.dim, slots, values)
+        return
+    flat = _block_bytes(cache)
+    bs = layout.block_size
+    blocks, offsets = slots // bs, slots % bs
+    start = 0
+    for seg in layout.segments:
+        length = seg[2]
+        flat[blocks[:, None], _segment_columns(offsets, *seg)] = rows[:, start:start + length]
+        start += length
+
+
+# ---------------------------------------------------------------------------------------------
+# Header
+# ---------------------------------------------------------------------------------------------
+
+
+def _fingerprint_bytes(fingerprint: str) -> bytes:
+    raw = bytes.fromhex(fingerprint[: 2 * FINGERPRINT_BYTES]) if fingerprint else b""
+    return raw.ljust(FINGERPRINT_BYTES, b"\0")
+
+
+def _encode_header(fingerprint: str, sizes: list[int], device: torch.device) -> torch.Tensor:
+    fixed = MAGIC + _fingerprint_bytes(fingerprint)
+    ints = torch.tensor([len(sizes), *sizes], dtype=torch.int64)
+    head = torch.cat([torch.frombuffer(bytearray(fixed), dtype=torch.uint8), ints.view(torch.uint8)])
+    return head.to(device)
+
+
+def _group_rank(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_rank(_resolve_process_group(group_name))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows_segment_sizes(slots: list[torch.Tensor], layouts: list[ResolvedLayout]) -> list:
+    return [s.numel() * lay.bytes_per_row for s, lay in zip(slots, layouts)]
+
+
+@torch.library.custom_op("pcppass::sync_pack", mutates_args=())
+def sync_pack(
+    fingerprint: str,
+    caches: list[torch.Tensor],
+    cache_slots: list[torch.Tensor],
+    layouts: list[int],
+    payloads: list[torch.Tensor],
+) -> torch.Tensor:
+    """One rank's sync buffer: header, the rows each cache holds at its slots, raw payloads."""
+    decoded = decode_layouts(layouts)
+    if not (len(caches) == len(cache_slots) == len(decoded)):
+        raise ValueError("sync_pack: caches, cache_slots and layouts differ in length")
+    anchor = caches[0] if caches else payloads[0]
+    segments: list[torch.Tensor] = []
+    for cache, slots, layout in zip(caches, cache_slots, decoded):
+        slots = slots.reshape(-1)
+        rows = torch.zeros(slots.numel(), layout.bytes_per_row, dtype=torch.uint8, device=cache.device)
+        valid = slots >= 0
+        if bool(valid.any()):
+            rows[valid] = read_rows(cache, slots[valid], layout)
+        segments.append(rows.reshape(-1))
+    for t in payloads:
+        segments.append(t.contiguous().view(torch.uint8).reshape(-1) if t.numel() else
+                        torch.empty(0, dtype=torch.uint8, device=t.device))
+    head = _encode_header(fingerprint, [s.numel() for s in segments], anchor.device)
+    return torch.cat([head, *segments])
+
+
+@sync_pack.register_fake
+def _sync_pack_fake(fingerprint, caches, cache_slots, layouts, payloads):
+    decoded = decode_layouts(layouts)
+    total = header_bytes(len(caches) + len(payloads))
+    for size in _rows_segment_sizes(cache_slots, decoded):
+        total = total + size
+    for t in payloads:
+        total = total + t.numel() * t.element_size()
+    anchor = caches[0] if caches else payloads[0]
+    return anchor.new_empty((total,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("pcppass::sync_read_header", mutates_args=())
+def sync_read_header(
+    gathered: torch.Tensor, world_size: int, fingerprint: str, num_segments: int, verify: bool
+) -> torch.Tensor:
+    """``[world, num_segments, 2]`` (offset, size) of every rank's segments in ``gathered``.
+
+    With ``verify``, every rank's header must carry this rank's fingerprint and segment sizes:
+    ranks that traced different graphs fail here, before any replica is touched.
+    """
+    chunk = gathered.numel() // world_size
+    head_len = header_bytes(num_segments)
+    heads = gathered.view(world_size, chunk)[:, :head_len].cpu()
+    index = torch.empty(world_size, num_segments, 2, dtype=torch.int64)
+    mine = _fingerprint_bytes(fingerprint)
+    fingerprints, sizes_by_rank = [], []
+    for r in range(world_size):
+        head = heads[r]
+        magic = bytes(head[: len(MAGIC)].tolist())
+        fp = bytes(head[len(MAGIC): len(MAGIC) + FINGERPRINT_BYTES].tolist())
+        ints = head[len(MAGIC) + FINGERPRINT_BYTES:].clone().view(torch.int64)
+        fingerprints.append(fp.hex())
+        sizes_by_rank.append(ints.tolist())
+        if verify and (magic != MAGIC or int(ints[0]) != num_segments):
+            raise _sync_error(
+                f"rank {r}'s sync buffer has no valid pcppass header (magic {magic!r}, "
+                f"{int(ints[0])} segments, expected {num_segments})", fingerprints)
+        sizes = ints[1:1 + num_segments]
+        offsets = torch.cumsum(sizes, 0) - sizes + r * chunk + head_len
+        index[r, :, 0] = offsets
+        index[r, :, 1] = sizes
+    if verify:
+        if any(fp != mine.hex() for fp in fingerprints):
+            raise _sync_error("ranks traced different graphs: their sync fingerprints differ",
+                              fingerprints)
+        if any(s != sizes_by_rank[0] for s in sizes_by_rank):
+            raise _sync_error(f"ranks packed different segment sizes: {sizes_by_rank}", fingerprints)
+    return index.to(gathered.device)
+
+
+def _sync_error(what: str, fingerprints: list[str]):
+    from pcppass.errors import PcpSyncError
+
+    listing = ", ".join(f"rank {r}: {fp}" for r, fp in enumerate(fingerprints))
+    return PcpSyncError(
+        f"pcppass replica sync: {what} [{listing}]. Every rank must compile and run the same step "
+        "graph (same model, same pcppass configuration, same step kind)."
+    )
+
+
+@sync_read_header.register_fake
+def _sync_read_header_fake(gathered, world_size, fingerprint, num_segments, verify):
+    return gathered.new_empty((world_size, num_segments, 2), dtype=torch.int64)
+
+
+def _segment(gathered: torch.Tensor, index: torch.Tensor, rank: int, segment: int) -> torch.Tensor:
+    offset, size = (int(x) for x in index[rank, segment].tolist())
+    return gathered[offset:offset + size]
+
+
+@torch.library.custom_op("pcppass::sync_scatter_rows", mutates_args=("cache",))
+def sync_scatter_rows(
+    cache: torch.Tensor,
+    gathered: torch.Tensor,
+    index: torch.Tensor,
+    rows_segment: int,
+    slots_segment: int,
+    layout: list[int],
+    group_name: str,
+    site: str,
+    check_conflicts: bool,
+) -> None:
+    """Write every other rank's rows (from ``gathered``) into this rank's replica of ``cache``.
+
+    Slot -1 rows are skipped and this rank's own rows are left as its local op wrote them. With
+    ``check_conflicts``, a slot written by two ranks in one step raises (two owners for one row).
+    """
+    (lay,) = decode_layouts(layout)
+    world = index.shape[0]
+    me = _group_rank(group_name)
+    limit = num_slots(cache, lay)
+    all_slots = [_segment(gathered, index, r, slots_segment).clone().view(torch.int64)
+                 for r in range(world)]
+    if check_conflicts:
+        _check_slots(all_slots, limit, site)
+    for r in range(world):
+        if r == me:
+            continue
+        slots = all_slots[r]
+        valid = slots >= 0
+        if not bool(valid.any()):
+            continue
+        rows = _segment(gathered, index, r, rows_segment).view(slots.numel(), lay.bytes_per_row)
+        write_rows(cache, slots[valid], rows[valid], lay)
+
+
+@sync_scatter_rows.register_fake
+def _sync_scatter_rows_fake(cache, gathered, index, rows_segment, slots_segment, layout,
+                            group_name, site, check_conflicts):
+    return None
+
+
+def _check_slots(all_slots: list[torch.Tensor], limit: int, site: str) -> None:
+    from pcppass.errors import PcpSyncError
+
+    owners: dict[int, int] = {}
+    for r, slots in enumerate(all_slots):
+        bad = slots[(slots < -1) | (slots >= limit)]
+        if bad.numel():
+            raise PcpSyncError(f"{site}: rank {r} wrote slot {int(bad[0])}, outside [-1, {limit})")
+        for s in torch.unique(slots[slots >= 0]).tolist():
+            other = owners.setdefault(s, r)
+            if other != r:
+                raise PcpSyncError(
+                    f"{site}: slot {s} was written by rank {other} and rank {r} in the same step; "
+                    "every row must have exactly one owner per step"
+                )
+
+
+@torch.library.custom_op("pcppass::sync_unpack", mutates_args=())
+def sync_unpack(
+    gathered: torch.Tensor,
+    index: torch.Tensor,
+    segment: int,
+    like: torch.Tensor,
+    group_name: str,
+    mask_own_rows: bool,
+) -> torch.Tensor:
+    """Every rank's copy of a payload, concatenated along dim 0: ``[world * n, *like.shape[1:]]``.
+
+    With ``mask_own_rows`` (slot mappings of a re-run) this rank's own rows become -1, so the
+    re-run skips the rows the local op already wrote.
+    """
+    world = index.shape[0]
+    parts = [_segment(gathered, index, r, segment).clone().view(like.dtype).view(like.shape)
+             for r in range(world)]
+    if mask_own_rows:
+        parts[_group_rank(group_name)] = torch.full_like(parts[0], -1)
+    return torch.cat(parts, dim=0)
+
+
+@sync_unpack.register_fake
+def _sync_unpack_fake(gathered, index, segment, like, group_name, mask_own_rows):
+    return like.new_empty((index.shape[0] * like.shape[0], *like.shape[1:]))

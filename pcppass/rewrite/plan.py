@@ -1,0 +1,209 @@
+"""The sync plan: what every replica must reproduce after a step, derived from covered writes.
+
+:func:`plan_sync` groups the covered :class:`~pcppass.analysis.records.StateWrite` records by the
+node that performs them (a fused op writing two caches is one site with two caches) and resolves,
+from the pattern, every graph value the rewrite needs: the cache tensor as the op receives it, its
+slot mapping, its byte layout, and for re-run sites the per-row inputs and which of them are slots.
+
+The plan is data about the graph; :mod:`pcppass.rewrite.insert` turns it into graph nodes.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from pcppass.analysis.records import StateWrite
+from pcppass.spec import CacheRole, Recipe, ResolvedLayout, WritePattern, qualified_op_name
+
+
+class PlanError(ValueError):
+    """A covered write cannot be planned (an argument the pattern names is missing or not a tensor)."""
+
+
+@dataclass(frozen=True)
+class CacheSync:
+    """One cache written at a site: the replica must receive these rows."""
+
+    state: str  # source name of the base state tensor
+    arg: str  # schema argument through which the op writes it
+    cache: torch.fx.Node  # the tensor the op receives (the base or a view of it)
+    slots: torch.fx.Node  # the slot mapping addressing it
+    layout: ResolvedLayout
+
+
+@dataclass
+class SyncSite:
+    """One write site (one mutating node) and how the other replicas reproduce it."""
+
+    index: int
+    node: torch.fx.Node
+    op: str
+    pattern: WritePattern
+    caches: list[CacheSync]
+    source: str
+    #: every schema argument of the node, by name (fx nodes or constants)
+    arguments: dict[str, Any] = field(default_factory=dict)
+    #: re-run sites: per-row inputs (schema name -> row dim), slot arguments among them
+    row_args: dict[str, int] = field(default_factory=dict)
+    slot_args: tuple[str, ...] = ()
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.pattern.recipe
+
+    @property
+    def label(self) -> str:
+        states = ", ".join(c.state for c in self.caches)
+        return f"{self.op} at {self.source} writing {states}"
+
+    def describe(self) -> str:
+        """Stable, rank-independent text of this site (part of the graph fingerprint)."""
+        caches = "; ".join(
+            f"{c.arg}->{c.state} slots={c.slots.name} layout={c.layout}" for c in self.caches
+        )
+        rows = ",".join(f"{k}:{v}" for k, v in sorted(self.row_args.items()))
+        return f"#{self.index} {self.op} node={self.node.name} {self.recipe.value} [{caches}] rows=[{rows}]"
+
+
+@dataclass
+class SyncPlan:
+    sites: list[SyncSite]
+
+    def describe(self) -> str:
+        return "\n".join(site.describe() for site in self.sites)
+
+    @property
+    def caches(self) -> list[CacheSync]:
+        return [c for site in self.sites for c in site.caches]
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument binding
+# ---------------------------------------------------------------------------------------------
+
+#: ``cache[idx] = src`` binds like ``index_put_(self, indices, values)``.
+_SETITEM_NAMES = ("self", "indices", "values")
+
+
+def _bind_schema(schema: torch._C.FunctionSchema, args: Sequence, kwargs: dict) -> dict[str, Any] | None:
+    bound: dict[str, Any] = {}
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    if len(args) > len(positional):
+        return None
+    for a, value in zip(positional, args):
+        bound[a.name] = value
+    names = {a.name for a in schema.arguments}
+    for key, value in kwargs.items():
+        if key not in names or key in bound:
+            return None
+        bound[key] = value
+    for a in schema.arguments:
+        if a.name not in bound:
+            if not a.has_default_value():
+                return None
+            bound[a.name] = a.default_value
+    return bound
+
+
+def bind_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """Every argument of a write node by its schema name (``self`` for the method receiver)."""
+    target = node.target
+    if node.op == "call_function" and target is operator.setitem:
+        return dict(zip(_SETITEM_NAMES, node.args))
+    if node.op == "call_method":
+        packet = getattr(torch.ops.aten, str(target), None)
+        if packet is None:
+            raise PlanError(f"no aten schema for method {target!r} at node {node.name}")
+        schemas = [getattr(packet, ov)._schema for ov in packet.overloads()]
+    elif isinstance(target, torch._ops.OpOverload):
+        schemas = [target._schema]
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, ov)._schema for ov in target.overloads()]
+    else:
+        raise PlanError(f"cannot bind arguments of {node.format_node()}")
+    for schema in schemas:
+        bound = _bind_schema(schema, node.args, dict(node.kwargs))
+        if bound is not None:
+            return bound
+    raise PlanError(f"arguments of node {node.name} match no schema of {target}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+# ---------------------------------------------------------------------------------------------
+
+
+def _fake(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return value.meta.get("example_value", value.meta.get("val"))
+    return value
+
+
+def _role_for(pattern: WritePattern, arg: str | None) -> CacheRole:
+    for role in pattern.caches:
+        if role.arg == arg:
+            return role
+    if len(pattern.caches) == 1:
+        return pattern.caches[0]
+    raise PlanError(f"pattern {pattern.name} has no cache role for argument {arg!r}")
+
+
+def _tensor_node(arguments: dict[str, Any], name: str, site: str) -> torch.fx.Node:
+    value = arguments.get(name)
+    if not isinstance(value, torch.fx.Node):
+        raise PlanError(f"{site}: argument {name!r} is {value!r}, not a tensor in the graph")
+    return value
+
+
+def _layout(write: StateWrite, role: CacheRole, cache: torch.fx.Node,
+            arguments: dict[str, Any]) -> ResolvedLayout:
+    if write.layout is not None:
+        return write.layout
+    fake_cache = _fake(cache)
+    fake_args = {k: _fake(v) for k, v in arguments.items()}
+    return role.layout.resolve(tuple(fake_cache.shape), fake_cache.element_size(), fake_args)
+
+
+def plan_sync(writes: Sequence[StateWrite]) -> SyncPlan:
+    """Group covered writes into sites in graph order and resolve what each site syncs.
+
+    Raises :class:`PlanError` for an uncovered record (the backend handles coverage first).
+    """
+    by_node: dict[torch.fx.Node, list[StateWrite]] = {}
+    for w in writes:
+        if not w.covered:
+            raise PlanError(f"cannot plan an uncovered write: {w.op} at {w.source}")
+        by_node.setdefault(w.node, []).append(w)
+    if not by_node:
+        return SyncPlan([])
+    order = {n: i for i, n in enumerate(next(iter(by_node)).graph.nodes)}
+    sites: list[SyncSite] = []
+    for node in sorted(by_node, key=order.__getitem__):
+        records = by_node[node]
+        pattern = records[0].pattern
+        op = records[0].op or qualified_op_name(node.target) or str(node.target)
+        where = f"{op} at {records[0].source}"
+        arguments = bind_arguments(node)
+        caches = []
+        for w in records:
+            role = _role_for(pattern, w.arg)
+            cache = w.written_node if w.written_node is not None else _tensor_node(arguments, role.arg, where)
+            slots = _tensor_node(arguments, role.slots, where)
+            caches.append(CacheSync(w.state, role.arg, cache, slots, _layout(w, role, cache, arguments)))
+        site = SyncSite(len(sites), node, op, pattern, caches, records[0].source, arguments)
+        if pattern.recipe is Recipe.RERUN:
+            site.row_args = dict(pattern.row_args)
+            for name in site.row_args:
+                _tensor_node(arguments, name, where)
+            site.slot_args = tuple(sorted({r.slots for r in pattern.caches} & set(site.row_args)))
+            missing = {r.slots for r in pattern.caches} - set(site.row_args)
+            if missing:
+                raise PlanError(f"{where}: re-run pattern {pattern.name} must list slot args "
+                                f"{sorted(missing)} among its row_args")
+        sites.append(site)
+    return SyncPlan(sites)
