@@ -109,8 +109,8 @@ def test_finished_requests_leave_and_later_ones_move_up():
         s.add_request(RequestSpec(i, (1, 2, 3), max_new_tokens=n))
     step = s.schedule()
     assert [r.batch_index for r in step.rows] == [0, 1, 2]
-    done = s.update(step, {i: [4] for i in range(3)})
-    assert done == [0] and [r.req_id for r in s.running] == [1, 2]
+    update = s.update(step, {i: [4] for i in range(3)})
+    assert update.finished == [0] and update.gained == {0: [4], 1: [4], 2: [4]} and [r.req_id for r in s.running] == [1, 2]
     assert [(r.req_id, r.batch_index) for r in s.schedule().rows] == [(1, 0), (2, 1)]
 
 

@@ -83,12 +83,15 @@ def tensor_digest(t: torch.Tensor) -> str:
 class StepRecord:
     index: int
     step_kind: StepKind
-    rows: list[tuple[int, str, int]]  # (req_id, kind, num_tokens) in global order
+    rows: list[tuple[int, str, int, int]]  # (req_id, kind, start_position, num_tokens), global order
     #: decode rows: req_id -> owner rank (-1: every rank); partitioned prefills are absent
     owners: dict[int, int]
     tokens_per_rank: list[int]
     padded_tokens: int
+    #: per sampled request, the greedy token of every sampled row (a verify row: all its rows)
     sampled: dict[int, list[int]]
+    #: tokens each request gained (a verify row: its accepted drafts plus the bonus token)
+    gained: dict[int, list[int]]
     finished: list[int]
     digests: dict[str, str] | None = None
 
@@ -239,11 +242,11 @@ class Engine:
                     f"runner returned hidden of shape {tuple(hidden.shape)}, expected [{local.num_tokens}, hidden_size]"
                 )
             sampled = self._sample(step, plan, hidden)
-        finished = self.scheduler.update(step, sampled)
+        update = self.scheduler.update(step, sampled)
         record = StepRecord(
             index=step.index,
             step_kind=step.step_kind,
-            rows=[(r.req_id, r.kind, r.num_tokens) for r in step.rows],
+            rows=[(r.req_id, r.kind, r.start_position, r.num_tokens) for r in step.rows],
             owners={
                 r.req_id: o
                 for r, o in zip(step.rows, plan.owners if plan else ())
@@ -252,7 +255,8 @@ class Engine:
             tokens_per_rank=plan.tokens_per_rank() if plan else [0] * self.world,
             padded_tokens=plan.padded_tokens if plan else 0,
             sampled=sampled,
-            finished=finished,
+            gained=update.gained,
+            finished=update.finished,
             digests=self.cache_digests() if self.config.record_digests else None,
         )
         self.step_log.append(record)

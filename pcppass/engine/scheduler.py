@@ -105,6 +105,13 @@ class GlobalStep:
 
 
 @dataclass(frozen=True)
+class StepUpdate:
+    #: tokens each request gained (a verify row: accepted drafts' samples plus the bonus)
+    gained: dict[int, list[int]]
+    finished: list[int]
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 64
     max_num_seqs: int = 16
@@ -234,29 +241,31 @@ class Scheduler:
         )
 
     # -- after the step ----------------------------------------------------------------------
-    def update(self, step: GlobalStep, sampled: dict[int, list[int]]) -> list[int]:
+    def update(self, step: GlobalStep, sampled: dict[int, list[int]]) -> StepUpdate:
         """Apply a step's sampled tokens (``sampled[req_id]``: one per sampled row, in order).
 
         Greedy verification of a decode row ``[last, d1 .. dk]`` with samples ``s0 .. sk``:
         accept ``d(i+1)`` while it equals ``s(i)``; the request gains the accepted samples plus
-        one bonus sample and ``accepted + 1`` computed positions. Returns the requests that
-        finished; they leave the batch and later ones move up.
+        one bonus sample and ``accepted + 1`` computed positions. Finished requests leave the
+        batch and later ones move up.
         """
         by_id = {r.req_id: r for r in self.running}
+        gained: dict[int, list[int]] = {}
         for row in step.rows:
             req = by_id[row.req_id]
             if row.kind == "prefill":
                 req.num_computed += row.num_tokens
                 if row.sample_from < row.num_tokens:
-                    req.output.append(sampled[row.req_id][0])
+                    gained[row.req_id] = [sampled[row.req_id][0]]
             else:
                 s = sampled[row.req_id]
                 drafts = row.token_ids[1:]
                 accepted = 0
                 while accepted < len(drafts) and drafts[accepted] == s[accepted]:
                     accepted += 1
-                req.output.extend(s[: accepted + 1])
+                gained[row.req_id] = s[: accepted + 1]
                 req.num_computed += accepted + 1
+            req.output.extend(gained.get(row.req_id, ()))
             self.kv.register_computed(req.req_id, req.tokens, req.num_computed)
         done = []
         for req in self.running:
@@ -268,4 +277,4 @@ class Scheduler:
                 self.finished[req.req_id] = req
         self.running = [r for r in self.running if not r.finished]
         self.step_index += 1
-        return done
+        return StepUpdate(gained, done)
