@@ -233,10 +233,10 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.where(valid, picked, torch.zeros_like(picked)), valid
 
 
-def reference_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[L, ...]`` per-position tensor -> ``[L, L, ...]``: every row sees every position (the
-    causal mask is applied separately), the no-cache counterpart of a paged gather."""
-    return x.unsqueeze(0).expand(x.shape[0], *x.shape)
+def reference_rows(x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+    """``[S, ...]`` keys -> ``[num_rows, S, ...]`` (default ``num_rows = S``): every query row sees
+    every key (masks are applied separately), the no-cache counterpart of a paged gather."""
+    return x.unsqueeze(0).expand(x.shape[0] if num_rows is None else num_rows, *x.shape)
 
 
 def reference_causal(length: int, device: torch.device) -> torch.Tensor:
