@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from pcppass.analysis.records import StateWrite
+from pcppass.analysis.records import StateWrite, Uncovered
 from pcppass.analysis.state_writes import find_state_writes
 from pcppass.analysis.trace import StepInputs
 
@@ -159,7 +159,8 @@ class _RecordingBackend:
         self.num_graphs += 1
         by_node: dict[torch.fx.Node, list[StateWrite]] = {}
         for r in records:
-            if r.written_node is not None:
+            # an undeclared handle explains nothing: what it writes is exactly the question
+            if r.written_node is not None and r.reason is not Uncovered.UNDECLARED_CACHE_HANDLE:
                 by_node.setdefault(r.node, []).append(r)
         observed = self.observed
 

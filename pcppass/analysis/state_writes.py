@@ -362,6 +362,14 @@ def qualified_name(target: object) -> str:
     return target._qualified_op_name
 
 
+def _cache_like(state: StateTensor) -> bool:
+    """Weights and per-step row inputs (sized by the symbolic row count) are not cache handles."""
+    if state.kind is StateKind.PARAMETER:
+        return False
+    value = node_value(state.node)
+    return not any(isinstance(d, torch.SymInt) for d in value.shape)
+
+
 def _handle_records(
     node: torch.fx.Node, defuse: DefUse, aliases: AliasMap, names: dict[torch.fx.Node, StateTensor]
 ) -> list[StateWrite]:
@@ -380,10 +388,12 @@ def _handle_records(
                         f"dependency token, and it takes the handle {arg}={value!r}: it may write "
                         f"state fetched by that handle (run `pcppass audit --dynamic` to check)"),
             ))
-            continue
+    if records:
+        return records  # the string handle names the state; row tensors beside it are inputs
+    for arg, value in bound.items():
         for label, tensor in _tensor_nodes(value, arg):
             alias = aliases.alias_of(tensor)
-            if alias is None:
+            if alias is None or not _cache_like(names[alias.base]):
                 continue
             state = names[alias.base]
             records.append(StateWrite(
