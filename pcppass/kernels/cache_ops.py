@@ -110,8 +110,9 @@ def check_kv_cache_args(op, key, value, key_cache, value_cache, slot_mapping, kv
     checks.check_shape(op, "value", value, (rows, heads, None), "[T, H, Dv] like 'key'")
     checks.check_slot_mapping(op, "slot_mapping", slot_mapping, rows, "key")
     cache_dtypes = checks.PLAIN_FLOAT_DTYPES if kv_cache_dtype == "auto" else checks.FP8_CACHE_DTYPES
-    checks.check_dtype(op, "key_cache", key_cache, cache_dtypes)
-    checks.check_dtype(op, "value_cache", value_cache, cache_dtypes)
+    because = f"kv_cache_dtype={kv_cache_dtype!r}"
+    checks.check_dtype(op, "key_cache", key_cache, cache_dtypes, because)
+    checks.check_dtype(op, "value_cache", value_cache, cache_dtypes, because)
     checks.check_shape(op, "key_cache", key_cache, (None, None, heads, key.shape[2]), "[num_blocks, block_size, H, D]")
     checks.check_shape(
         op, "value_cache", value_cache, (key_cache.shape[0], key_cache.shape[1], heads, value.shape[2]),
@@ -139,12 +140,12 @@ def check_mla_cache_args(op, kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
     if kv_cache_dtype == "fp8_ds_mla":
         if checks.known_unequal(latent % DS_MLA_TILE, 0):
             checks.fail(op, n_kv_c, f"must have L a multiple of {DS_MLA_TILE} for fp8_ds_mla, got L={latent}")
-        checks.check_dtype(op, n_cache, kv_cache, (torch.uint8,))
+        checks.check_dtype(op, n_cache, kv_cache, (torch.uint8,), f"{n_dtype}={kv_cache_dtype!r}")
         width = ds_mla_row_bytes(latent, rope_dim)
         what = f"[num_blocks, block_size, L + 4*L/128 + 2*R = {width}] (fp8_ds_mla bytes)"
     else:
         allowed = checks.PLAIN_FLOAT_DTYPES if kv_cache_dtype == "auto" else checks.FP8_CACHE_DTYPES
-        checks.check_dtype(op, n_cache, kv_cache, allowed)
+        checks.check_dtype(op, n_cache, kv_cache, allowed, f"{n_dtype}={kv_cache_dtype!r}")
         width = latent + rope_dim
         what = f"[num_blocks, block_size, L + R = {width}]"
     checks.check_shape(op, n_cache, kv_cache, (None, None, width), what)

@@ -63,10 +63,11 @@ def known_greater(a, b) -> bool:
     return statically_known_true(a > b)
 
 
-def check_dtype(op: str, arg: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+def check_dtype(op: str, arg: str, t: torch.Tensor, allowed: Sequence[torch.dtype], because: str = "") -> None:
     if t.dtype not in allowed:
         names = ", ".join(str(d) for d in allowed)
-        fail(op, arg, f"must have dtype in ({names}), got {t.dtype}")
+        reason = f" ({because})" if because else ""
+        fail(op, arg, f"must have dtype in ({names}){reason}, got {t.dtype}")
 
 
 def check_float(op: str, arg: str, t: torch.Tensor) -> None:
