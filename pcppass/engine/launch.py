@@ -99,8 +99,11 @@ def launch(
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = value
     finally:
+        # After a failure the other ranks may wait in a collective for the failed one: stop them
+        # now instead of waiting for the process-group timeout.
+        grace = 10.0 if len(out) == world else 0.0
         for p in procs:
-            p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+            p.join(timeout=max(0.0, min(grace, deadline - time.monotonic())))
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5.0)
