@@ -206,3 +206,28 @@ def test_two_rank_replicated_run_matches_single_rank():
         assert out == reference
         assert digests == [rec.digests for rec in single.step_log]  # bitwise, every step
         assert all(a == b for a, b in tokens_per_rank)  # every rank ran every row
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v2", "deepseek_v32", "deepseek_v4"])
+def test_reference_models_give_the_same_tokens_chunked_shared_and_speculative(name):
+    """Each tiny reference model: chunked prefill (mid-block), prefix sharing (where its groups
+    allow it) and verify rows change how positions reach the caches, never the greedy tokens."""
+    models = pytest.importorskip("pcppass.models")
+    model = models.build_model(name, "tiny")
+
+    def tokens(spec_width, **kw):
+        reqs = generate_workload(
+            WorkloadConfig(num_requests=4, prompt_len=(5, 30), max_new_tokens=(4, 8), prefix_hit_rate=0.8,
+                           block_size=8, vocab_size=model.config.vocab_size, spec_width=spec_width, seed=0,
+                           mean_arrival_gap=1.0)
+        )
+        engine = Engine(model, num_blocks=48, max_model_len=64, max_spec_width=spec_width, **kw)
+        engine.add_requests(reqs)
+        return engine.run(), engine
+
+    base, _ = tokens(1, max_num_batched_tokens=64, enable_prefix_caching=False)
+    chunked, engine = tokens(3, max_num_batched_tokens=5)
+    assert chunked == base
+    if engine.scheduler.kv.prefix_caching:
+        assert sum(r.num_cached_prompt for r in engine.scheduler.finished.values()) > 0
+    assert tokens(2, max_num_batched_tokens=7, enable_prefix_caching=False)[0] == base
