@@ -77,3 +77,40 @@ def opaque_write_model():
     x, slots, caches = _step()
     CONTEXT["layers.0.kv"] = caches["kv"]
     return OpaqueWriteModel(), StepInputs((x, slots, caches), {}, [(x, 0), (slots, 0)])
+
+
+class EagerWriteModel(torch.nn.Module):
+    """Covered writes in the graph, plus a write in eager code around the compiled region."""
+
+    def forward(self, x, slots, caches):
+        torch.ops.pcppass.reshape_and_cache_flash(
+            x[:, None], x[:, None], caches["k"], caches["v"], slots, "auto", self.scale, self.scale)
+        _eager_bookkeeping(caches["kv"])  # runs eagerly: no graph sees its write
+        return x
+
+
+@torch.compiler.disable
+def _eager_bookkeeping(cache: torch.Tensor) -> None:
+    cache[0, 3] = 7.0
+
+
+def eager_write_model():
+    import pcppass.kernels  # noqa: F401
+
+    x, slots, caches = _step()
+    caches["k"] = torch.zeros(4, 4, 1, 8)
+    caches["v"] = torch.zeros(4, 4, 1, 8)
+    model = EagerWriteModel()
+    model.scale = torch.ones(())
+    return model, StepInputs((x, slots, caches), {}, [(x, 0), (slots, 0)])
+
+
+class GraphBreakModel(torch.nn.Module):
+    def forward(self, x, slots, caches):
+        print("host sync")  # a graph break: the static audit needs one graph
+        return x + 1
+
+
+def graph_break_model():
+    x, slots, caches = _step()
+    return GraphBreakModel(), StepInputs((x, slots, caches))

@@ -78,7 +78,8 @@ def step_state(model: Any, inputs: StepInputs) -> list[tuple[str, torch.Tensor]]
     found: dict[int, tuple[str, torch.Tensor]] = {}
     seen: set[int] = set()
     try:
-        names = [p for p in inspect.signature(model).parameters]
+        target = model.forward if isinstance(model, torch.nn.Module) else model
+        names = list(inspect.signature(target).parameters)
     except (TypeError, ValueError):
         names = []
     for i, a in enumerate(inputs.args):
