@@ -12,7 +12,6 @@ no-cache reference paths (``reference_forward``) replay exactly the rounding of 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -26,17 +25,27 @@ from pcppass.kernels.math import layer_norm, rms_norm, rope
 from pcppass.kernels.quant import bytes_float32, dequant_fp8, encode_indexer_rows, split_indexer_cache
 
 __all__ = [
-    "RMSNorm",
+    "DecoderLayer",
     "LayerNorm",
     "MLP",
+    "ModelDims",
     "PagedCausalLM",
-    "DecoderLayer",
+    "RMSNorm",
     "attend",
     "causal_full_rows",
     "gather_rows",
+    "indexer_roundtrip",
+    "indexer_scores",
+    "linear",
+    "materialize",
+    "mla_attend",
+    "read_indexer_keys",
+    "reference_causal",
+    "reference_rows",
     "request_tables",
     "rope",
     "rope_cos_sin_cache",
+    "select_topk",
     "stable_topk",
     "with_overrides",
 ]
@@ -358,7 +367,3 @@ def materialize(model: PagedCausalLM, device: torch.device | str, seed: int) -> 
             if reset is not None:
                 reset()
     return model.eval().requires_grad_(False)
-
-
-def inverse_sqrt(n: int) -> float:
-    return 1.0 / math.sqrt(n)

@@ -14,7 +14,7 @@ import torch
 from pcppass.engine.contract import CacheGroupSpec, slot_key, table_key
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with the same tokens are still two requests
 class Request:
     tokens: list[int]  # prompt followed by generated tokens
     prompt_len: int
