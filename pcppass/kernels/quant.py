@@ -33,9 +33,16 @@ SCALE_FORMATS = ("ue8m0", "fp32")
 # ---------------------------------------------------------------------------------------- fp8 e4m3
 
 
+def divide_exact(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """IEEE ``x / divisor``. A Python-scalar divisor makes PyTorch's CUDA kernel multiply by the
+    rounded reciprocal (one ulp off the CPU result); a same-device tensor divisor divides."""
+    return x / torch.full_like(x, divisor)
+
+
 def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``e4m3(clamp(x / scale, +-448))`` in float32; ``scale`` broadcasts against ``x``."""
-    y = x.float() / scale.float()
+    """``e4m3(clamp(x / scale, +-448))`` in float32; ``scale`` broadcasts against ``x``.
+    The scale is moved to ``x``'s device: a CPU scalar divisor would become a reciprocal multiply."""
+    y = x.float() / scale.float().to(x.device)
     return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -74,7 +81,7 @@ def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
 def ds_mla_tile_scales(kv_c: torch.Tensor) -> torch.Tensor:
     """``[n, L]`` -> ``[n, L/128]`` float32 ``max(amax(tile) / 448, FLT_MIN)``."""
     tiles = kv_c.float().unflatten(-1, (-1, DS_MLA_TILE))
-    return (tiles.abs().amax(dim=-1) / FP8_E4M3_MAX).clamp_min(FLT_MIN)
+    return divide_exact(tiles.abs().amax(dim=-1), FP8_E4M3_MAX).clamp_min(FLT_MIN)
 
 
 def encode_ds_mla_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
@@ -119,7 +126,7 @@ def ue8m0_ceil(scale: torch.Tensor) -> torch.Tensor:
 def indexer_scales(k: torch.Tensor, quant_block_size: int, scale_fmt: str) -> torch.Tensor:
     """``[n, D]`` -> ``[n, D/qbs]`` float32 ``max(amax, 1e-4) / 448`` (power of two for ue8m0)."""
     blocks = k.float().unflatten(-1, (-1, quant_block_size))
-    scale = blocks.abs().amax(dim=-1).clamp_min(INDEXER_AMAX_FLOOR) / FP8_E4M3_MAX
+    scale = divide_exact(blocks.abs().amax(dim=-1).clamp_min(INDEXER_AMAX_FLOOR), FP8_E4M3_MAX)
     return ue8m0_ceil(scale) if scale_fmt == "ue8m0" else scale
 
 
