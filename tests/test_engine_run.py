@@ -25,6 +25,15 @@ from pcppass.engine.workload import WorkloadConfig, generate_workload
 BS = 4
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops: threads only add synchronisation overhead on the shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
     """``cache[slot] = row`` for slot >= 0, with plain index_put_.
 
@@ -231,3 +240,14 @@ def test_reference_models_give_the_same_tokens_chunked_shared_and_speculative(na
     if engine.scheduler.kv.prefix_caching:
         assert sum(r.num_cached_prompt for r in engine.scheduler.finished.values()) > 0
     assert tokens(2, max_num_batched_tokens=7, enable_prefix_caching=False)[0] == base
+
+
+def test_model_contract_doc_example_runs():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "MODEL_CONTRACT.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    example = next(b for b in blocks if "class PagedAttentionLM" in b)
+    namespace: dict = {}
+    exec(compile(example, "docs/MODEL_CONTRACT.md", "exec"), namespace)
+    engine = namespace["engine"]
+    assert not engine.scheduler.has_unfinished()
+    assert sum(r.num_cached_prompt for r in engine.scheduler.finished.values()) > 0
