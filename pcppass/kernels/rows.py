@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from pcppass.runtime.stats import SYNC_COUNTERS
 from pcppass.spec import ResolvedLayout
 
 MAGIC = b"PCPSYNC1"
@@ -222,6 +223,7 @@ def sync_read_header(
     ranks that traced different graphs fail here, before any replica is touched.
     """
     chunk = gathered.numel() // world_size
+    SYNC_COUNTERS.record(chunk, world_size)
     head_len = header_bytes(num_segments)
     heads = gathered.view(world_size, chunk)[:, :head_len].cpu()
     index = torch.empty(world_size, num_segments, 2, dtype=torch.int64)

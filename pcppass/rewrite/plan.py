@@ -145,8 +145,9 @@ def _fake(value: Any) -> Any:
 
 
 def _role_for(pattern: WritePattern, arg: str | None) -> CacheRole:
+    base = arg.split("[", 1)[0] if arg else arg  # "caches[0]" for a Tensor[] argument
     for role in pattern.caches:
-        if role.arg == arg:
+        if role.arg in (arg, base):
             return role
     if len(pattern.caches) == 1:
         return pattern.caches[0]
@@ -155,9 +156,33 @@ def _role_for(pattern: WritePattern, arg: str | None) -> CacheRole:
 
 def _tensor_node(arguments: dict[str, Any], name: str, site: str) -> torch.fx.Node:
     value = arguments.get(name)
+    if isinstance(value, (list, tuple)):  # index_put_ / setitem: the one row-index tensor
+        tensors = [v for v in value if isinstance(v, torch.fx.Node)]
+        value = tensors[0] if len(tensors) == 1 else value
     if not isinstance(value, torch.fx.Node):
         raise PlanError(f"{site}: argument {name!r} is {value!r}, not a tensor in the graph")
     return value
+
+
+def _fits_paged(value: Any, layout: ResolvedLayout) -> bool:
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != layout.block_size:
+        return False
+    row = value.element_size()
+    for d in value.shape[2:]:
+        row *= d
+    return row == layout.bytes_per_row
+
+
+def _cache_node(write: StateWrite, layout: ResolvedLayout, fallback: torch.fx.Node) -> torch.fx.Node:
+    """The tensor the layout addresses: the written tensor, or for a write through a flattened
+    view of a paged cache (``cache.view(-1, ...)[slot] = row``) the paged base itself."""
+    written = write.written_node if write.written_node is not None else fallback
+    if layout.kind != "paged_rows" or _fits_paged(_fake(written), layout):
+        return written
+    if write.state_node is not None and _fits_paged(_fake(write.state_node), layout):
+        return write.state_node
+    raise PlanError(f"{write.op} at {write.source}: paged layout {layout} fits neither the written "
+                    f"tensor nor {write.state}")
 
 
 def _layout(write: StateWrite, role: CacheRole, cache: torch.fx.Node,
@@ -188,13 +213,14 @@ def plan_sync(writes: Sequence[StateWrite]) -> SyncPlan:
         pattern = records[0].pattern
         op = records[0].op or qualified_op_name(node.target) or str(node.target)
         where = f"{op} at {records[0].source}"
-        arguments = bind_arguments(node)
+        arguments = dict(records[0].bound_args) or bind_arguments(node)
         caches = []
         for w in records:
             role = _role_for(pattern, w.arg)
-            cache = w.written_node if w.written_node is not None else _tensor_node(arguments, role.arg, where)
+            written = w.written_node if w.written_node is not None else _tensor_node(arguments, role.arg, where)
+            layout = _layout(w, role, written, arguments)
             slots = _tensor_node(arguments, role.slots, where)
-            caches.append(CacheSync(w.state, role.arg, cache, slots, _layout(w, role, cache, arguments)))
+            caches.append(CacheSync(w.state, role.arg, _cache_node(w, layout, written), slots, layout))
         site = SyncSite(len(sites), node, op, pattern, caches, records[0].source, arguments)
         if pattern.recipe is Recipe.RERUN:
             site.row_args = dict(pattern.row_args)

@@ -1,0 +1,154 @@
+"""Run-time input validation of a rewritten step graph, before it touches any state.
+
+Slot mappings that arrive as graph inputs are checked on every call: int64, one slot per row of
+the op that consumes them, every slot in ``[-1, num_slots)`` of the cache it addresses. A bad
+mapping raises :class:`~pcppass.errors.PcpInputError` naming the op, the cache and the source line;
+the graph has not run, so every cache is untouched.
+
+Row counts and cache sizes may be symbolic (dynamic shapes); they are evaluated per call from the
+graph's inputs (SymInt inputs, or the input tensor dims the symbols were taken from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+import torch.fx
+
+from pcppass.errors import PcpInputError
+from pcppass.rewrite.plan import SyncPlan
+
+
+
+def _fake(node: torch.fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _expr(size: Any) -> Any:
+    if isinstance(size, torch.SymInt):
+        return size.node.expr
+    return int(size)
+
+
+@dataclass(frozen=True)
+class SlotInputCheck:
+    input_index: int
+    input_name: str
+    op: str
+    state: str
+    source: str
+    rows: Any  # int, sympy expression, or None (no row argument to compare with)
+    num_slots: Any  # int or sympy expression
+
+
+class _Symbols:
+    """Where each size symbol of the graph can be read from the call's arguments."""
+
+    def __init__(self, placeholders: Sequence[torch.fx.Node]):
+        self.sources: dict[sympy.Symbol, tuple[int, int | None]] = {}
+        for i, node in enumerate(placeholders):
+            value = _fake(node)
+            if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
+                self.sources[value.node.expr] = (i, None)
+        for i, node in enumerate(placeholders):
+            value = _fake(node)
+            if isinstance(value, torch.Tensor):
+                for d, size in enumerate(value.shape):
+                    if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                        self.sources.setdefault(size.node.expr, (i, d))
+
+    def evaluate(self, expr: Any, args: Sequence[Any]) -> int | None:
+        if isinstance(expr, int):
+            return expr
+        values = {}
+        for sym in expr.free_symbols:
+            if sym not in self.sources:
+                return None
+            i, d = self.sources[sym]
+            values[sym] = int(args[i]) if d is None else int(args[i].shape[d])
+        return int(expr.xreplace(values))
+
+
+class InputValidator:
+    """Checks the slot-mapping inputs of one rewritten graph (see the module docstring)."""
+
+    def __init__(self, checks: list[SlotInputCheck], symbols: _Symbols):
+        self.checks = checks
+        self.symbols = symbols
+
+    @classmethod
+    def from_plan(cls, gm: torch.fx.GraphModule, plan: SyncPlan) -> "InputValidator":
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        index = {node: i for i, node in enumerate(placeholders)}
+        checks: dict[tuple[int, str], SlotInputCheck] = {}
+        for site in plan.sites:
+            rows = _row_count(site)
+            for c in site.caches:
+                if c.slots not in index:
+                    continue  # computed in the graph, not an input
+                cache = _fake(c.cache)
+                checks.setdefault((index[c.slots], c.state), SlotInputCheck(
+                    index[c.slots], c.slots.name, site.op, c.state, site.source, rows,
+                    _num_slots_expr(cache, c.layout)))
+        return cls(list(checks.values()), _Symbols(placeholders))
+
+    def __call__(self, args: Sequence[Any]) -> None:
+        for check in self.checks:
+            slots = args[check.input_index]
+            where = f"{check.op} writing {check.state} ({check.source}): slot mapping {check.input_name}"
+            if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64:
+                got = slots.dtype if isinstance(slots, torch.Tensor) else type(slots).__name__
+                raise PcpInputError(f"{where} must be an int64 tensor, got {got}")
+            rows = self.symbols.evaluate(check.rows, args) if check.rows is not None else None
+            if rows is not None and slots.numel() != rows:
+                raise PcpInputError(f"{where} has {slots.numel()} slots for {rows} rows")
+            limit = self.symbols.evaluate(check.num_slots, args)
+            if slots.numel() == 0 or limit is None:
+                continue
+            low, high = int(slots.min()), int(slots.max())
+            if low < -1 or high >= limit:
+                bad = low if low < -1 else high
+                raise PcpInputError(f"{where} holds slot {bad}, outside [-1, {limit}) of the cache")
+
+
+def _row_count(site) -> Any:
+    """Rows of the site's first non-slot per-row argument (None if it has none)."""
+    slot_names = {c_role.slots for c_role in site.pattern.caches}
+    for name, dim in site.pattern.row_args.items():
+        value = site.arguments.get(name)
+        if name in slot_names or not isinstance(value, torch.fx.Node):
+            continue
+        fake = _fake(value)
+        if isinstance(fake, torch.Tensor) and fake.dim() > dim:
+            return _expr(fake.shape[dim])
+    return None
+
+
+def _num_slots_expr(cache: torch.Tensor, layout) -> Any:
+    if layout.kind == "paged_rows":
+        return _expr(cache.shape[0]) * _expr(cache.shape[1])
+    if layout.kind == "block_split":
+        return _expr(cache.shape[0]) * layout.block_size
+    return _expr(cache.shape[layout.dim])
+
+
+def validating(compiled: Callable, validator: InputValidator) -> Callable:
+    """``compiled`` preceded by ``validator`` on every call (boxed calling convention kept)."""
+    if not validator.checks:
+        return compiled
+    if getattr(compiled, "_boxed_call", False):
+        def run_boxed(args: list) -> Any:
+            validator(args)
+            return compiled(args)
+
+        run_boxed._boxed_call = True  # type: ignore[attr-defined]
+        return run_boxed
+
+    def run(*args: Any) -> Any:
+        validator(args)
+        return compiled(*args)
+
+    return run

@@ -1,0 +1,134 @@
+"""Decode-sharded engine runner: the pcppass backend plugged into :class:`pcppass.engine.runner.Engine`.
+
+:class:`ShardedRunner` holds two compiled graphs of the model's forward:
+
+* ``"decode"`` steps (every row is a decode row, each owned by one rank): the deferred schedule,
+  every write site's rows in ONE all-gather at the end of the step;
+* ``"mixed"`` steps (partitioned prefill: later chunks attend to earlier chunks written by other
+  ranks in the same step): the immediate schedule, a sync right after each write site.
+
+It records, per step, the sync collectives the graph actually issued and their bytes
+(:attr:`ShardedRunner.step_syncs`). :func:`sharded_engine` builds an engine around it and, when the
+backend had to keep decode replicated (uncovered writes with ``on_uncovered="replicate"``, or
+``dcp_size > 1``), an engine that runs decode replicated and prefill unpartitioned instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pcppass.backend import Inner, OnUncovered, PcpBackend, SyncChecks
+from pcppass.engine.layout import LayoutPlan, Policy, build_local_step
+from pcppass.engine.runner import Engine
+from pcppass.engine.scheduler import GlobalStep
+from pcppass.rewrite.insert import Schedule
+from pcppass.runtime.stats import SYNC_COUNTERS
+
+#: rows of the all-padding step that compiles both graphs before the first real step
+WARMUP_ROWS = 2
+
+
+@dataclass(frozen=True)
+class StepSync:
+    """Replica sync one step performed on this rank."""
+
+    step_kind: str
+    rows: int
+    collectives: int
+    bytes_sent: int
+    bytes_gathered: int
+
+
+class ShardedRunner:
+    """``runner(input_ids, positions, meta, caches, step_kind) -> hidden`` for the engine."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        group: dist.ProcessGroup | None = None,
+        inner: Inner = "inductor",
+        decode_schedule: Schedule = "deferred",
+        mixed_schedule: Schedule = "immediate",
+        on_uncovered: OnUncovered = "raise",
+        dcp_size: int = 1,
+        checks: SyncChecks = SyncChecks(),
+    ) -> None:
+        if mixed_schedule != "immediate":
+            # Prefill rows written by one rank are read by another rank in the same step.
+            raise ValueError("mixed steps need the immediate schedule (rows are read in the same step)")
+        common: dict[str, Any] = dict(group=group, inner=inner, on_uncovered=on_uncovered,
+                                      dcp_size=dcp_size, checks=checks)
+        self.decode_backend = PcpBackend(schedule=decode_schedule, name="decode", **common)
+        self.mixed_backend = PcpBackend(schedule=mixed_schedule, name="mixed", **common)
+        self._graphs = {
+            "decode": torch.compile(model, backend=self.decode_backend, fullgraph=True),
+            "mixed": torch.compile(model, backend=self.mixed_backend, fullgraph=True),
+        }
+        self.step_syncs: list[StepSync] = []
+
+    @property
+    def replicated(self) -> bool:
+        """True when decode must stay replicated (see :attr:`PcpBackend.replicated`)."""
+        return self.decode_backend.replicated or self.mixed_backend.replicated
+
+    @property
+    def backends(self) -> dict[str, PcpBackend]:
+        return {"decode": self.decode_backend, "mixed": self.mixed_backend}
+
+    def __call__(self, input_ids, positions, meta, caches, step_kind: str) -> torch.Tensor:
+        if step_kind not in self._graphs:
+            raise ValueError(f"unknown step kind {step_kind!r}: expected 'decode' or 'mixed'")
+        # One graph for every row count: ids, positions and every meta tensor follow the row
+        # count in dim 0 (the engine pads requests to rows and never hands out fewer than 2).
+        for t in (input_ids, positions, *meta.values()):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        SYNC_COUNTERS.take()
+        hidden = self._graphs[step_kind](input_ids, positions, meta, caches)
+        counts = SYNC_COUNTERS.take()
+        self.step_syncs.append(StepSync(step_kind, int(input_ids.shape[0]), counts.collectives,
+                                        counts.bytes_sent, counts.bytes_gathered))
+        return hidden
+
+    def warmup(self, engine: Engine) -> bool:
+        """Compile both graphs on an all-padding step over scratch caches; True if sharded.
+
+        Nothing is written (every slot is -1) and the engine's caches are not touched, so the
+        coverage decision is known before the first real step chooses its layout.
+        """
+        step = GlobalStep(index=-1, rows=())
+        plan = LayoutPlan(world=engine.world, segments=((),) * engine.world, owners=(),
+                          padded_tokens=WARMUP_ROWS, restore_index=())
+        local = build_local_step(step, plan, engine.rank, engine.groups, engine.table_columns,
+                                 engine.device)
+        scratch = {name: torch.zeros_like(t) for name, t in engine.caches.items()}
+        for kind in ("decode", "mixed"):
+            self(local.input_ids, local.positions, local.meta, scratch, kind)
+        self.step_syncs.clear()
+        return not self.replicated
+
+
+def sharded_engine(
+    model: torch.nn.Module,
+    runner: ShardedRunner,
+    *,
+    world: int,
+    rank: int,
+    group: dist.ProcessGroup | None = None,
+    policy: Policy = "round_robin",
+    **config: Any,
+) -> Engine:
+    """An engine whose steps run through ``runner``, decode-sharded when the backend allows it.
+
+    The runner is warmed up first; if it reports replicated decode, the engine runs every decode
+    row on every rank and every prefill unpartitioned, so no rank depends on another's writes.
+    """
+    engine = Engine(model, world=world, rank=rank, group=group, policy=policy, runner=runner, **config)
+    if world > 1 and not runner.warmup(engine):
+        engine = Engine(model, world=world, rank=rank, group=group, policy="replicated",
+                        partition_prefill=False, runner=runner, **config)
+    return engine
