@@ -10,6 +10,32 @@ with :class:`PcpCoverageError` when a write is not covered. See ``docs/DESIGN.md
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+
+class _SourceTreeFinder(importlib.abc.MetaPathFinder):
+    """Maps ``pcppass.models`` / ``pcppass.patterns`` onto the top-level ``models/`` and ``patterns/``
+    folders of a source checkout that is imported without being installed (e.g. copied to a GPU
+    machine and run with ``PYTHONPATH=.``). Installed distributions carry them as real subpackages."""
+
+    _FOLDERS = {"pcppass.models": "models", "pcppass.patterns": "patterns"}
+
+    def find_spec(self, fullname, path=None, target=None):
+        folder = self._FOLDERS.get(fullname)
+        if folder is None:
+            return None
+        root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), folder)
+        init = os.path.join(root, "__init__.py")
+        if not os.path.isfile(init):
+            return None
+        return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[root])
+
+
+if not os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")):
+    sys.meta_path.append(_SourceTreeFinder())
 
 from pcppass.registry import register_pattern, unregister_pattern
 from pcppass.spec import BlockSplit, CacheRole, IndexedDim, PagedRows, Recipe, WritePattern
