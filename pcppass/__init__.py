@@ -38,7 +38,7 @@ if not os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "m
     sys.meta_path.append(_SourceTreeFinder())
 
 from pcppass.registry import register_pattern, unregister_pattern
-from pcppass.spec import BlockSplit, CacheRole, IndexedDim, PagedRows, Recipe, WritePattern
+from pcppass.spec import ByArgValue, BlockSplit, CacheRole, IndexedDim, PagedRows, Recipe, WritePattern
 
 __version__ = "0.1.0"
 
@@ -53,6 +53,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "ByArgValue",
     "BlockSplit",
     "CacheRole",
     "IndexedDim",
