@@ -79,6 +79,8 @@ class CompileReport:
     rewrite: SyncRewrite | None = None
     #: the graph handed to the inner compiler (rewritten when sharded)
     graph: torch.fx.GraphModule | None = field(default=None, repr=False)
+    #: all-gather nodes in the graph handed to the inner compiler (counted, not planned)
+    all_gather_nodes: int = 0
 
     @property
     def uncovered(self) -> list[StateWrite]:
@@ -169,6 +171,7 @@ class PcpBackend:
         )
         report.reason = (f"{report.rewrite.sites} write site(s), {report.rewrite.collectives} "
                          f"collective(s) per step ({self.schedule})")
+        report.all_gather_nodes = count_all_gathers(gm)
         if self.checks.compile_fingerprint:
             exchange_fingerprint(report.rewrite.fingerprint, group, namespace=self.name,
                                  timeout_s=self.checks.fingerprint_timeout_s)
@@ -188,6 +191,12 @@ class PcpBackend:
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs)
+
+
+def count_all_gathers(gm: torch.fx.GraphModule) -> int:
+    """Functional all-gather nodes in ``gm``: the sync collectives one run of the graph issues."""
+    target = torch.ops._c10d_functional.all_gather_into_tensor.default
+    return len(gm.graph.find_nodes(op="call_function", target=target))
 
 
 #: The default backend: ``torch.compile(model, backend=pcppass.backend)``.

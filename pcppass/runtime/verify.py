@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from pcppass.engine.runner import Engine, tensor_digest
+from pcppass.engine.runner import Engine
 from pcppass.engine.workload import RequestSpec, WorkloadConfig, generate_workload
 
 
@@ -62,6 +62,10 @@ class RunResult:
     syncs: list[tuple[int, int, int]] = field(default_factory=list)
     mode: str = "single_rank"
     unfinished: int = 0
+    #: per step: tokens of the widest decode row (speculative verify rows are wider than 1)
+    widest_decode_row: list[int] = field(default_factory=list)
+    #: per graph kind ("decode", "mixed"): sync all-gathers in each compiled graph, one per compile
+    graph_collectives: dict[str, list[int]] = field(default_factory=dict)
 
 
 def build(cfg: RunConfig) -> torch.nn.Module:
@@ -106,6 +110,8 @@ def _drive(engine: Engine, cfg: RunConfig, model: torch.nn.Module, rank: int, wo
         result.step_kinds.append(record.step_kind)
         result.owners.append(dict(record.owners))
         result.tokens_per_rank.append(list(record.tokens_per_rank))
+        result.widest_decode_row.append(
+            max((n for _, kind, _, n in record.rows if kind == "decode"), default=0))
         sync = after_step()
         if sync is not None:
             result.syncs.append(sync)
@@ -141,6 +147,9 @@ def rank_main(rank: int, world: int, cfg: RunConfig) -> RunResult:
 
     result = _drive(engine, cfg, model, rank, world, after_step)
     result.mode = "replicated" if runner.replicated else "sharded"
+    result.graph_collectives = {
+        kind: [r.all_gather_nodes for r in backend.reports] for kind, backend in runner.backends.items()
+    }
     return result
 
 
@@ -188,6 +197,3 @@ def compare(reference: RunResult, ranks: list[RunResult]) -> Verification:
     return Verification(steps, not mismatches, divergent, per_step, ranks[0].mode,
                         max(r.unfinished for r in ranks), sorted(set(mismatches)))
 
-
-def digest_states(caches: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {name: tensor_digest(t) for name, t in caches.items()}
