@@ -1,0 +1,59 @@
+"""The benchmark's decode inputs: consistent slots and tables, and replicas equal after sharded steps.
+
+``pcppass bench`` times GPUs only; its step construction (:class:`pcppass.cli.bench.DecodeSetup`,
+round-robin ownership) is checked here on CPU with two gloo ranks and the eager inner compiler.
+"""
+
+import pytest
+import torch
+
+from pcppass.cli.bench import DecodeSetup, caches_equal_across_ranks, owned
+from pcppass.engine.launch import launch
+
+
+def test_ownership_rotates_and_covers_every_request():
+    for step in range(3):
+        parts = [owned(8, 2, r, step) for r in range(2)]
+        assert sorted(parts[0] + parts[1]) == list(range(8))
+        assert len(parts[0]) == len(parts[1]) == 4
+    assert owned(8, 2, 0, 0) == owned(8, 2, 1, 1)
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v32"])
+def test_slots_follow_tables(name):
+    from pcppass.models import build_model
+
+    model = build_model(name, "tiny")
+    setup = DecodeSetup(model, requests=4, max_context=20, extra=3, seed=0, device="cpu")
+    ids, positions, meta = setup.step([1, 3], context=12, position=13)
+    for g in model.cache_groups():
+        table = meta[f"block_table.{g.name}"]
+        slots = meta[f"slot_mapping.{g.name}"]
+        assert table.shape == (2, g.blocks_for(15, 1))
+        for row in range(2):
+            block = table[row, 13 // g.block_size]
+            assert int(slots[row]) == int(block) * g.block_size + 13 % g.block_size
+        assert len(set(table.flatten().tolist())) == table.numel()  # requests never share a block
+    assert positions.tolist() == [13, 13]
+
+
+def _sharded_steps(rank, world, name, schedule):
+    from pcppass.backend import PcpBackend
+    from pcppass.models import build_model
+
+    model = build_model(name, "tiny")
+    setup = DecodeSetup(model, requests=4, max_context=9, extra=4, seed=3, device="cpu")
+    compiled = torch.compile(model, backend=PcpBackend(schedule=schedule, inner="eager"), fullgraph=True)
+    for step in range(3):
+        compiled(*setup.step(owned(4, world, rank, step), 9, 9 + step), setup.caches)
+    before_control = caches_equal_across_ranks(setup.caches)
+    model(*setup.step(owned(4, world, rank, 0), 9, 12), setup.caches)  # no sync: replicas diverge
+    return before_control, caches_equal_across_ranks(setup.caches)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name,schedule", [("llama", "deferred"), ("deepseek_v32", "immediate")])
+def test_sharded_steps_keep_replicas_equal(name, schedule):
+    for synced, unsynced in launch(_sharded_steps, 2, name, schedule, backend="gloo", timeout_s=200):
+        assert all(synced.values()), synced
+        assert not all(unsynced.values())
