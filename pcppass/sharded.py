@@ -25,6 +25,7 @@ from pcppass.backend import Inner, OnUncovered, PcpBackend, SyncChecks
 from pcppass.engine.layout import LayoutPlan, Policy, build_local_step
 from pcppass.engine.runner import Engine
 from pcppass.engine.scheduler import GlobalStep
+from pcppass.errors import PcpError
 from pcppass.rewrite.insert import Schedule
 from pcppass.runtime.stats import SYNC_COUNTERS
 
@@ -88,7 +89,14 @@ class ShardedRunner:
         for t in (input_ids, positions, *meta.values()):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         SYNC_COUNTERS.take()
-        hidden = self._graphs[step_kind](input_ids, positions, meta, caches)
+        try:
+            hidden = self._graphs[step_kind](input_ids, positions, meta, caches)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            # Surface pcppass's own refusal (coverage, fingerprints) rather than Dynamo's wrapper.
+            inner = getattr(exc, "inner_exception", None) or exc.__cause__
+            if isinstance(inner, PcpError):
+                raise inner from None
+            raise
         counts = SYNC_COUNTERS.take()
         self.step_syncs.append(StepSync(step_kind, int(input_ids.shape[0]), counts.collectives,
                                         counts.bytes_sent, counts.bytes_gathered))
