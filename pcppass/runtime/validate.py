@@ -136,16 +136,9 @@ def _num_slots_expr(cache: torch.Tensor, layout) -> Any:
 
 
 def validating(compiled: Callable, validator: InputValidator) -> Callable:
-    """``compiled`` preceded by ``validator`` on every call (boxed calling convention kept)."""
+    """``compiled`` (called by Dynamo with the graph inputs) preceded by ``validator``."""
     if not validator.checks:
         return compiled
-    if getattr(compiled, "_boxed_call", False):
-        def run_boxed(args: list) -> Any:
-            validator(args)
-            return compiled(args)
-
-        run_boxed._boxed_call = True  # type: ignore[attr-defined]
-        return run_boxed
 
     def run(*args: Any) -> Any:
         validator(args)
