@@ -256,7 +256,9 @@ def _configure_dynamo() -> None:
 def _compiled_variants(model: torch.nn.Module, name: str, variants: tuple[str, ...]) -> dict[str, Any]:
     from pcppass.backend import PcpBackend, SyncChecks
 
-    fast = SyncChecks(inputs=False, header=False, slot_conflicts=False)
+    # compile_fingerprint off: the graph text hashed for it holds each rank's device index
+    # (device(type='cuda', index=<rank>)), so on several GPUs the ranks' fingerprints differ.
+    fast = SyncChecks(inputs=False, header=False, slot_conflicts=False, compile_fingerprint=False)
     plain = torch.compile(model, fullgraph=True)
     out: dict[str, Any] = {"replicated": plain, "nosync": plain}
     for v in variants:

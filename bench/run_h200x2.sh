@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The P=2 runs behind bench/results/*h200x2* (nvidia-h200-x2, from the repository root, uninstalled checkout).
+# NVLink multicast stays off on shared GPU hosts; every multi-GPU command has a timeout.
+set -euo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-bench/results}
+# 1. sync-cost microbenchmark (61 layers, real pcppass::sync_* ops); the model part of this run failed (see BENCH.md)
+timeout 575 python3 -m pcppass bench --model deepseek_v32 --world 2 --rows-per-rank 8,32 --context 4096,32768 \
+  --sync-microbench --micro-rows 8,32,128 --out "$OUT" --tag h200x2_deepseek_v32 --timeout 565
+# 2. decode steps, host-sync-free sync kernels (pcppass.kernels.rows_cuda)
+timeout 580 python3 -m pcppass bench --model deepseek_v32,llama --world 2 --rows-per-rank 8,32 \
+  --context 4096,16384,32768 --out "$OUT" --tag h200x2_models --timeout 570
+# 3. the same with the reference (plain-torch) sync ops
+timeout 400 python3 -m pcppass bench --model deepseek_v32,llama --world 2 --rows-per-rank 8,32 --context 4096,32768 \
+  --sync-kernels reference --variants deferred,nosync,replicated --out "$OUT" \
+  --tag h200x2_models_reference_sync_ops --timeout 390
