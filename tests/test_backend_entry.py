@@ -79,3 +79,21 @@ def test_dcp_keeps_decode_replicated_and_graph_unchanged():
 def test_configuration_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PcpBackend(**kwargs)
+
+
+def test_fingerprint_ignores_the_ranks_own_device_but_not_the_graph():
+    from pcppass.rewrite.insert import graph_fingerprint
+    from pcppass.rewrite.plan import SyncPlan
+
+    def traced(device: str, factor: float) -> torch.fx.GraphModule:
+        graph = torch.fx.Graph()  # built by hand: nothing runs on the (absent) device
+        x = graph.placeholder("x")
+        r = graph.call_function(torch.arange, (4,), {"device": torch.device(device)})
+        graph.output(graph.call_function(torch.add, (graph.call_function(torch.mul, (r, factor)), x)))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    plan = SyncPlan([])
+    rank0, rank1 = graph_fingerprint(traced("cuda:0", 2.0), plan), graph_fingerprint(traced("cuda:1", 2.0), plan)
+    assert rank0 == rank1
+    assert graph_fingerprint(traced("cuda:0", 3.0), plan) != rank0
+    assert graph_fingerprint(traced("cpu", 2.0), plan) != rank0

@@ -155,9 +155,21 @@ class _CollectiveBuilder:
         self._call(site.node.target, (), kwargs)
 
 
+#: what legitimately differs between ranks in a graph's text: object addresses and the rank's
+#: own device index (``cuda:1``, ``device(type='cuda', index=1)``)
+_RANK_LOCAL = (
+    (re.compile(r"0x[0-9a-fA-F]+"), "0x"),
+    (re.compile(r"\b(cuda|xpu|mtia|hpu|privateuseone):\d+"), r"\1"),
+    (re.compile(r"(device\(type='\w+'), index=\d+\)"), r"\1)"),
+)
+
+
 def graph_fingerprint(gm: torch.fx.GraphModule, plan: SyncPlan, extra: str = "") -> str:
-    """Rank-independent hash of the rewritten graph and its plan (addresses stripped)."""
-    text = re.sub(r"0x[0-9a-fA-F]+", "0x", str(gm.graph))
+    """Rank-independent hash of the rewritten graph and its plan (addresses and device indices
+    stripped: rank r runs on its own device, the graph is the same)."""
+    text = str(gm.graph)
+    for pattern, replacement in _RANK_LOCAL:
+        text = pattern.sub(replacement, text)
     payload = "\n".join([text, plan.describe(), extra])
     return hashlib.sha256(payload.encode()).hexdigest()
 
