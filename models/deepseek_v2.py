@@ -74,7 +74,27 @@ class DeepseekV2Config:
                    dtype=torch.bfloat16)
 
 
-class DeepseekV2MLA(nn.Module):
+class MLALatentReader:
+    """Reading the latent MLA cache back and attending over it (shared by the MLA models).
+
+    Needs ``self.cfg`` (kv_cache_dtype, kv_lora_rank, qk_rope_head_dim, dtype, v_head_dim),
+    ``self.kv_b_proj``, ``self.o_proj`` and ``self.scale``.
+    """
+
+    def _latent(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows ``[..., width]`` -> (kv_c, k_pe) in the model dtype."""
+        cfg = self.cfg
+        if cfg.kv_cache_dtype == "fp8_ds_mla":
+            kv_c, k_pe = decode_ds_mla_rows(rows, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+            return kv_c.to(cfg.dtype), k_pe.to(cfg.dtype)
+        return rows[..., : cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank :]
+
+    def _out(self, q_nope, q_pe, kv_c, k_pe, valid) -> torch.Tensor:
+        out = mla_attend(q_nope, q_pe, kv_c, k_pe, valid, self.kv_b_proj.weight, self.cfg.v_head_dim, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class DeepseekV2MLA(MLALatentReader, nn.Module):
     def __init__(self, cfg: DeepseekV2Config, layer: int) -> None:
         super().__init__()
         if cfg.kv_cache_dtype not in ("auto", "fp8_ds_mla"):
@@ -115,17 +135,6 @@ class DeepseekV2MLA(nn.Module):
         k_pe = rope(k_pe, positions, self.cos_sin_cache, "interleaved")
         return q_nope, q_pe, kv_c, k_pe
 
-    def _latent(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache rows ``[..., width]`` -> (kv_c, k_pe) in the model dtype."""
-        cfg = self.cfg
-        if cfg.kv_cache_dtype == "fp8_ds_mla":
-            kv_c, k_pe = decode_ds_mla_rows(rows, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-            return kv_c.to(cfg.dtype), k_pe.to(cfg.dtype)
-        return rows[..., : cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank :]
-
-    def _out(self, q_nope, q_pe, kv_c, k_pe, valid) -> torch.Tensor:
-        out = mla_attend(q_nope, q_pe, kv_c, k_pe, valid, self.kv_b_proj.weight, self.cfg.v_head_dim, self.scale)
-        return self.o_proj(out.flatten(1))
 
     def forward(self, x, positions, meta, caches):
         q_nope, q_pe, kv_c, k_pe = self._project(x, positions)

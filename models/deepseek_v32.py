@@ -29,7 +29,7 @@ from torch import nn
 
 from pcppass.engine.contract import CacheGroupSpec, CacheSpec, slot_key
 from pcppass.kernels.math import layer_norm, rms_norm
-from pcppass.kernels.quant import decode_ds_mla_rows, ds_mla_row_bytes, encode_ds_mla_rows, indexer_token_bytes
+from pcppass.kernels.quant import ds_mla_row_bytes, encode_ds_mla_rows, indexer_token_bytes
 from pcppass.models.common import (
     DecoderLayer,
     LayerNorm,
@@ -41,7 +41,6 @@ from pcppass.models.common import (
     indexer_roundtrip,
     indexer_scores,
     linear,
-    mla_attend,
     read_indexer_keys,
     reference_causal,
     reference_rows,
@@ -50,6 +49,7 @@ from pcppass.models.common import (
     rope_cos_sin_cache,
     select_topk,
 )
+from pcppass.models.deepseek_v2 import MLALatentReader
 
 MLA_GROUP = "mla"
 INDEXER_GROUP = "indexer"
@@ -111,7 +111,7 @@ class LightningIndexer(nn.Module):
         self.weight_scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
 
 
-class DeepseekV32Attention(nn.Module):
+class DeepseekV32Attention(MLALatentReader, nn.Module):
     def __init__(self, cfg: DeepseekV32Config, layer: int) -> None:
         super().__init__()
         if cfg.kv_cache_dtype not in ("auto", "fp8_ds_mla"):
@@ -168,16 +168,6 @@ class DeepseekV32Attention(nn.Module):
         weights = self.indexer.weights_proj(x).float() * self.indexer.weight_scale
         return q_nope, q_pe, q_idx, weights
 
-    def _latent(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        if cfg.kv_cache_dtype == "fp8_ds_mla":
-            kv_c, k_pe = decode_ds_mla_rows(rows, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-            return kv_c.to(cfg.dtype), k_pe.to(cfg.dtype)
-        return rows[..., : cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank :]
-
-    def _out(self, q_nope, q_pe, kv_c, k_pe, valid) -> torch.Tensor:
-        out = mla_attend(q_nope, q_pe, kv_c, k_pe, valid, self.kv_b_proj.weight, self.cfg.v_head_dim, self.scale)
-        return self.o_proj(out.flatten(1))
 
     # -- cached path
     def forward(self, x, positions, meta, caches):
