@@ -120,6 +120,9 @@ def test_replicas_exact_under_every_inner_compiler(inner):
     if inner == "inductor":
         code = "\n".join(results[0]["codes"])
         assert "sync_scatter_rows" in code and "reshape_and_cache_flash" in code
+        # one scatter op writes all three caches, in place (no clone of the mutated list)
+        assert code.count("torch.ops.pcppass.sync_scatter_rows_all.default(") == 1
+        assert "sync_scatter_rows.default(" not in code
         # no copy of a whole cache: nothing of a cache's shape is allocated or cloned
         cache_allocs = re.findall(r"empty_strided\w*\(\((16, 4, 2, 8|16, 80)\)", code)
         assert not cache_allocs, cache_allocs

@@ -6,7 +6,7 @@ step (deferred schedule) or per write site (immediate schedule)::
     packed   = pcppass.sync_pack(fingerprint, caches, cache_slots, layouts, payloads)   # this rank
     gathered = wait_tensor(all_gather_into_tensor(packed, world, group))                # every rank
     index    = pcppass.sync_read_header(gathered, world, fingerprint, num_segments, verify)
-    pcppass.sync_scatter_rows(cache, gathered, index, rows_seg, slots_seg, layout, ...)  # COPY_ROWS
+    pcppass.sync_scatter_rows_all([caches], gathered, index, rows_segs, slots_segs, layouts, ...)  # COPY_ROWS
     arg_all  = pcppass.sync_unpack(gathered, index, seg, like, group, mask_own_rows)      # RERUN
 
 Packed buffer of one rank (uint8)::
@@ -273,8 +273,7 @@ def _segment(gathered: torch.Tensor, index: torch.Tensor, rank: int, segment: in
     return gathered[offset:offset + size]
 
 
-@torch.library.custom_op("pcppass::sync_scatter_rows", mutates_args=("cache",))
-def sync_scatter_rows(
+def scatter_rows_reference(
     cache: torch.Tensor,
     gathered: torch.Tensor,
     index: torch.Tensor,
@@ -309,9 +308,67 @@ def sync_scatter_rows(
         write_rows(cache, slots[valid], rows[valid], lay)
 
 
+@torch.library.custom_op("pcppass::sync_scatter_rows", mutates_args=("cache",))
+def sync_scatter_rows(
+    cache: torch.Tensor,
+    gathered: torch.Tensor,
+    index: torch.Tensor,
+    rows_segment: int,
+    slots_segment: int,
+    layout: list[int],
+    group_name: str,
+    site: str,
+    check_conflicts: bool,
+) -> None:
+    """One cache's scatter (:func:`scatter_rows_reference`)."""
+    scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment, layout, group_name, site,
+                           check_conflicts)
+
+
 @sync_scatter_rows.register_fake
 def _sync_scatter_rows_fake(cache, gathered, index, rows_segment, slots_segment, layout,
                             group_name, site, check_conflicts):
+    return None
+
+
+@torch.library.custom_op("pcppass::sync_scatter_rows_all", mutates_args=("caches",))
+def sync_scatter_rows_all(
+    caches: list[torch.Tensor],
+    gathered: torch.Tensor,
+    index: torch.Tensor,
+    rows_segments: list[int],
+    slots_segments: list[int],
+    layouts: list[int],
+    group_name: str,
+    sites: str,
+    check_conflicts: bool,
+) -> None:
+    """:func:`sync_scatter_rows` for many caches in one op: cache ``i`` receives the rows of
+    segment ``rows_segments[i]`` at the slots of segment ``slots_segments[i]`` through the i-th
+    layout of ``layouts`` (concatenated :func:`encode_layout` results); ``sites`` holds the i-th
+    cache's site label on line ``i`` (for errors). One op per collective lets a device
+    implementation move every cache's rows in one launch; the caches are distinct tensors.
+    """
+    decoded = decode_layouts(layouts)
+    labels = site_labels(sites, len(caches))
+    if not (len(caches) == len(rows_segments) == len(slots_segments) == len(decoded)):
+        raise ValueError("sync_scatter_rows_all: caches, segments and layouts differ in length")
+    for cache, rows_segment, slots_segment, lay, site in zip(caches, rows_segments, slots_segments, decoded, labels):
+        scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment, encode_layout(lay),
+                               group_name, site, check_conflicts)
+
+
+def site_labels(sites: str, count: int) -> list[str]:
+    """The per-cache labels of ``sync_scatter_rows_all``'s ``sites`` (one per line)."""
+    labels = sites.split("\n") if count else []
+    if len(labels) != count:
+        raise ValueError(f"sync_scatter_rows_all: {len(labels)} site labels for {count} caches")
+    return labels
+
+
+@sync_scatter_rows_all.register_fake
+def _sync_scatter_rows_all_fake(caches, gathered, index, rows_segments, slots_segments, layouts,
+                                group_name, sites, check_conflicts):
     return None
 
 

@@ -5,7 +5,7 @@ host (``bool(valid.any())``, ``index.tolist()``, ``gathered[:head].cpu()``) and 
 boolean masks. Each of those waits for the GPU, and none can be recorded in a CUDA graph. The
 kernels here produce the same bytes with device-side selection only:
 
-* ``sync_pack``: every row is read (slot -1 clamped to 0) and padding rows are zeroed with
+* :func:`pack` (torch ``sync_pack``): every row is read (slot -1 clamped to 0) and padding rows are zeroed with
   ``where``; the header is a device constant cached per (fingerprint, segment sizes).
 * ``sync_read_header`` (``verify=False``): the segment table comes from the sizes this rank packed
   (every rank packs the same sizes: that is the contract the header check enforces), as a cached
@@ -17,6 +17,9 @@ kernels here produce the same bytes with device-side selection only:
   identical bytes is deterministic), or, when the rank sent no real row, to rewrite slot 0 with
   the bytes it already holds.
 * ``sync_unpack``: the reference computation with host-known offsets.
+* ``sync_pack`` (registered kernel: :func:`pack_batched`) and ``sync_scatter_rows_all``: ONE Triton
+  launch each for all caches of the collective (:mod:`pcppass.kernels.row_kernels`), padding rows
+  masked in the kernel; caches the kernels cannot address take the torch paths above.
 
 With ``verify=True`` or ``check_conflicts=True`` the reference implementation runs: raising on a
 mismatch needs the values on the host. Warm the step up once before capturing it (the header
@@ -33,11 +36,12 @@ from typing import Iterator
 
 import torch
 
-from pcppass.kernels import rows
+from pcppass.kernels import row_kernels, rows
 from pcppass.kernels.rows import (
     _encode_header,
     _group_rank,
     decode_layouts,
+    encode_layout,
     header_bytes,
     read_rows,
     write_rows,
@@ -206,13 +210,120 @@ def unpack(
 
 
 # ---------------------------------------------------------------------------------------------
+# One launch for all caches (Triton, pcppass.kernels.row_kernels)
+# ---------------------------------------------------------------------------------------------
+
+
+def pack_batched(
+    fingerprint: str,
+    caches: list[torch.Tensor],
+    cache_slots: list[torch.Tensor],
+    layouts: list[int],
+    payloads: list[torch.Tensor],
+) -> torch.Tensor:
+    """``sync_pack`` with every cache's rows read by ONE kernel launch (same bytes as
+    :func:`pack`); caches the kernel cannot address go through :func:`pack`."""
+    decoded = decode_layouts(layouts)
+    if not (len(caches) == len(cache_slots) == len(decoded)):
+        raise ValueError("sync_pack: caches, cache_slots and layouts differ in length")
+    addressings = [row_kernels.addressing(c, lay) for c, lay in zip(caches, decoded)]
+    if not caches or any(a is None for a in addressings) or any(c.device != caches[0].device for c in caches):
+        return pack(fingerprint, caches, cache_slots, layouts, payloads)
+    device = caches[0].device
+    # one int64 slot vector; caches that share a slot tensor share its rows of the vector
+    first_row: dict[int, int] = {}
+    distinct: list[torch.Tensor] = []
+    starts, counts, total_slots = [], [], 0
+    for s in cache_slots:
+        if id(s) not in first_row:
+            first_row[id(s)] = total_slots
+            distinct.append(s.reshape(-1).to(torch.int64))
+            total_slots += s.numel()
+        starts.append(first_row[id(s)])
+        counts.append(s.numel())
+    payload_bytes = [t.contiguous().view(torch.uint8).reshape(-1) if t.numel() else None for t in payloads]
+    sizes = [n * lay.bytes_per_row for n, lay in zip(counts, decoded)]
+    sizes += [0 if b is None else b.numel() for b in payload_bytes]
+    head = _cached_header(fingerprint, sizes, device)
+    offsets, offset = [], head.numel()
+    for size in sizes:
+        offsets.append(offset)
+        offset += size
+    _PACKED_SIZES.setdefault((fingerprint, len(sizes), offset), set()).add(tuple(sizes))
+    out = torch.empty(offset, dtype=torch.uint8, device=device)
+    out[:head.numel()].copy_(head)
+    slots = distinct[0] if len(distinct) == 1 else torch.cat(distinct)
+    key = (row_kernels.cache_key(caches), tuple(layouts), tuple(counts), tuple(starts))
+    row_kernels.pack_rows(out, caches, addressings, slots.contiguous(), starts, counts,
+                          offsets[:len(caches)], key)
+    for b, o in zip(payload_bytes, offsets[len(caches):]):
+        if b is not None:
+            out[o:o + b.numel()].copy_(b)
+    return out
+
+
+def scatter_rows_all(
+    caches: list[torch.Tensor],
+    gathered: torch.Tensor,
+    index: torch.Tensor,
+    rows_segments: list[int],
+    slots_segments: list[int],
+    layouts: list[int],
+    group_name: str,
+    sites: str,
+    check_conflicts: bool,
+) -> None:
+    """``sync_scatter_rows_all`` in ONE kernel launch; with ``check_conflicts`` the reference
+    implementation. Caches the kernel cannot address go through :func:`scatter_rows`, one by one."""
+    if check_conflicts:
+        rows.sync_scatter_rows_all._init_fn(caches, gathered, index, rows_segments, slots_segments, layouts,
+                                            group_name, sites, check_conflicts)
+        return
+    decoded = decode_layouts(layouts)
+    labels = rows.site_labels(sites, len(caches))
+    if not (len(caches) == len(rows_segments) == len(slots_segments) == len(decoded)):
+        raise ValueError("sync_scatter_rows_all: caches, segments and layouts differ in length")
+    addressings = [row_kernels.addressing(c, lay) for c, lay in zip(caches, decoded)]
+    if any(a is None for a in addressings):
+        for cache, rs, ss, lay, site in zip(caches, rows_segments, slots_segments, decoded, labels):
+            scatter_rows(cache, gathered, index, rs, ss, encode_layout(lay), group_name, site, False)
+        return
+    me = _group_rank(group_name)
+    host_known = index.data_ptr() in _INDEX_HOST
+    table = _table(index)
+
+    def sources() -> list[list[tuple[int, int, int]]]:
+        out = []
+        for rs, ss, lay in zip(rows_segments, slots_segments, decoded):
+            per_cache = []
+            for r in range(len(table)):
+                if r == me:
+                    continue
+                rows_offset, rows_size = table[r][rs]
+                slots_offset, slots_size = table[r][ss]
+                n = slots_size // 8
+                if rows_size != n * lay.bytes_per_row:
+                    raise ValueError(f"sync_scatter_rows_all: rank {r} sent {rows_size} row bytes for {n} slots "
+                                     f"of {lay.bytes_per_row} bytes")
+                per_cache.append((rows_offset, slots_offset, n))
+            out.append(per_cache)
+        return out
+
+    # a cached segment table is identified by its address; any other is identified by its values
+    where = index.data_ptr() if host_known else str(table)
+    key = (row_kernels.cache_key(caches), tuple(layouts), tuple(rows_segments), tuple(slots_segments), me, where)
+    row_kernels.scatter_rows(gathered, caches, addressings, sources, key)
+
+
+# ---------------------------------------------------------------------------------------------
 # Registration
 # ---------------------------------------------------------------------------------------------
 
 _KERNELS = (
-    (rows.sync_pack, pack),
+    (rows.sync_pack, pack_batched),
     (rows.sync_read_header, read_header),
     (rows.sync_scatter_rows, scatter_rows),
+    (rows.sync_scatter_rows_all, scatter_rows_all),
     (rows.sync_unpack, unpack),
 )
 

@@ -30,9 +30,13 @@ After, deferred::
     packed   = pcppass.sync_pack(fp, [k_cache, v_cache], [slots, slots], layouts, [slots])
     gathered = wait_tensor(all_gather_into_tensor(packed, world, group))
     index    = pcppass.sync_read_header(gathered, world, fp, 3, True)
-    pcppass.sync_scatter_rows(k_cache, gathered, index, 0, 2, layout_k, group, site, True)
-    pcppass.sync_scatter_rows(v_cache, gathered, index, 1, 2, layout_v, group, site, True)
+    pcppass.sync_scatter_rows_all([k_cache, v_cache], gathered, index, [0, 1], [2, 2],
+                                  layout_k + layout_v, group, "site\nsite", True)
     return (hidden,)
+
+One ``sync_scatter_rows_all`` writes every cache of the collective (a device implementation moves
+all their rows in one launch); a re-run site splits the scatters so that it sees earlier sites'
+rows synced.
 
 ``fp`` is the graph fingerprint (:func:`graph_fingerprint`): a hash of the rewritten graph and the
 plan, carried in every header so ranks that traced different graphs fail loudly.
@@ -131,16 +135,31 @@ class _CollectiveBuilder:
         targets_by_site: dict[int, list] = {}
         for entry in copy_targets:
             targets_by_site.setdefault(id(entry[0]), []).append(entry)
-        # Graph order: a re-run that reads state written by an earlier site sees it synced.
+        # Graph order: a re-run that reads state written by an earlier site sees it synced. Row
+        # copies between re-runs go out as ONE scatter op (one kernel for all caches).
+        batch: list[tuple] = []
         for site in sites:
             for _, c, rows_segment, slots_key in targets_by_site.get(id(site), []):
-                self._call(_SYNC.sync_scatter_rows.default,
-                           (c.cache, gathered, index, rows_segment, segment(slots_key),
-                            encode_layout(c.layout), self.group_name, site.label,
-                            self.check_conflicts))
+                if any(c.cache is other.cache for _, other, _, _ in batch):
+                    self._scatter(batch, gathered, index)  # a cache appears once per op
+                    batch = []
+                batch.append((site, c, rows_segment, segment(slots_key)))
             if id(site) in reruns:
+                self._scatter(batch, gathered, index)
+                batch = []
                 self._rerun(site, gathered, index, {n: segment(k) for n, k in reruns[id(site)].items()},
                             {n: payloads[payload_index[k]] for n, k in reruns[id(site)].items()})
+        self._scatter(batch, gathered, index)
+
+    def _scatter(self, batch: list[tuple], gathered: torch.fx.Node, index: torch.fx.Node) -> None:
+        """One ``sync_scatter_rows_all`` for ``(site, cache sync, rows segment, slots segment)``s."""
+        if not batch:
+            return
+        layouts = [x for _, c, _, _ in batch for x in encode_layout(c.layout)]
+        self._call(_SYNC.sync_scatter_rows_all.default,
+                   ([c.cache for _, c, _, _ in batch], gathered, index, [rows for _, _, rows, _ in batch],
+                    [slots for _, _, _, slots in batch], layouts, self.group_name,
+                    "\n".join(site.label.replace("\n", " ") for site, _, _, _ in batch), self.check_conflicts))
 
     def _rerun(self, site: SyncSite, gathered, index, segments: dict[str, int],
                locals_: dict[str, torch.fx.Node]) -> None:
