@@ -9,11 +9,22 @@ the fused ops, which is what makes a fused op byte-identical to the unfused sequ
 
 Real implementations validate everything (structure and values) before the first write; fake
 implementations validate structure only (see :mod:`pcppass.kernels.checks`).
+
+On CUDA the stores read nothing back to the host: every row is encoded (the same quantisers, so the
+same bytes) and one Triton kernel (:func:`pcppass.kernels.row_kernels.store_rows`) stores the rows
+whose slot is not negative, where the reference selects them with ``nonzero``. With the value
+checks skipped during a capture (:func:`pcppass.kernels.checks.value_checks_active`), a step that
+calls these ops can be captured in a CUDA graph. :func:`masked_stores` runs that path on CPU
+tensors too (under ``TRITON_INTERPRET=1``: tests).
 """
+
+import contextlib
+import math
+from typing import Iterator
 
 import torch
 
-from pcppass.kernels import checks
+from pcppass.kernels import checks, row_kernels
 from pcppass.kernels.quant import (
     DS_MLA_TILE,
     SCALE_FORMATS,
@@ -24,6 +35,7 @@ from pcppass.kernels.quant import (
     quantize_e4m3,
     store_as,
 )
+from pcppass.spec import ResolvedLayout
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 MLA_CACHE_DTYPES = ("auto", "fp8", "fp8_ds_mla")
@@ -43,16 +55,54 @@ def put_paged_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor)
     cache.index_put_((slots // block_size, slots % block_size), rows)
 
 
+_MASKED_STORES_ON_CPU = [False]
+
+
+@contextlib.contextmanager
+def masked_stores(enabled: bool) -> Iterator[None]:
+    """Run the block with the CUDA store path (encode every row, masked kernel store) on CPU
+    tensors too; the kernels then need ``TRITON_INTERPRET=1``."""
+    _MASKED_STORES_ON_CPU.append(enabled)
+    try:
+        yield
+    finally:
+        _MASKED_STORES_ON_CPU.pop()
+
+
+def _masked(cache: torch.Tensor) -> bool:
+    return cache.is_cuda or _MASKED_STORES_ON_CPU[-1]
+
+
+def paged_layout(cache: torch.Tensor) -> ResolvedLayout:
+    return ResolvedLayout("paged_rows", cache.shape[1], math.prod(cache.shape[2:]) * cache.element_size())
+
+
+def store_paged_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, encode) -> None:
+    """``cache[slot // bs, slot % bs] = encode(rows)[t]`` for every ``slot_mapping[t] >= 0``.
+
+    ``encode(idx)`` returns the stored rows for row indices ``idx`` (``None``: every row). On the
+    masked path every row is encoded and the kernel skips negative slots; the reference path
+    encodes the live rows only. Row encodings are row-independent, so the bytes are the same."""
+    if _masked(cache) and row_kernels.store_rows(cache, paged_layout(cache), slot_mapping, encode(None)):
+        return
+    idx = live_rows(slot_mapping)
+    put_paged_rows(cache, slot_mapping[idx], encode(idx))
+
+
+def take_rows(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    return x if idx is None else x[idx]
+
+
 def write_kv_rows(
     x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor
 ) -> None:
-    idx = live_rows(slot_mapping)
-    rows = x[idx]
-    if kv_cache_dtype == "auto":
-        rows = rows.to(cache.dtype)
-    else:
-        rows = store_as(quantize_e4m3(rows, scale.reshape(())), cache.dtype)
-    put_paged_rows(cache, slot_mapping[idx], rows)
+    def encode(idx):
+        rows = take_rows(x, idx)
+        if kv_cache_dtype == "auto":
+            return rows.to(cache.dtype)
+        return store_as(quantize_e4m3(rows, scale.reshape(())), cache.dtype)
+
+    store_paged_rows(cache, slot_mapping, encode)
 
 
 def write_mla_rows(
@@ -63,15 +113,16 @@ def write_mla_rows(
     kv_cache_dtype: str,
     scale: torch.Tensor,
 ) -> None:
-    idx = live_rows(slot_mapping)
-    if kv_cache_dtype == "auto":
-        rows = torch.cat((kv_c[idx].to(kv_cache.dtype), k_pe[idx].to(kv_cache.dtype)), dim=-1)
-    elif kv_cache_dtype == "fp8":
-        both = torch.cat((kv_c[idx].float(), k_pe[idx].float()), dim=-1)
-        rows = store_as(quantize_e4m3(both, scale.reshape(())), kv_cache.dtype)
-    else:
-        rows = encode_ds_mla_rows(kv_c[idx], k_pe[idx])
-    put_paged_rows(kv_cache, slot_mapping[idx], rows)
+    def encode(idx):
+        c, pe = take_rows(kv_c, idx), take_rows(k_pe, idx)
+        if kv_cache_dtype == "auto":
+            return torch.cat((c.to(kv_cache.dtype), pe.to(kv_cache.dtype)), dim=-1)
+        if kv_cache_dtype == "fp8":
+            both = torch.cat((c.float(), pe.float()), dim=-1)
+            return store_as(quantize_e4m3(both, scale.reshape(())), kv_cache.dtype)
+        return encode_ds_mla_rows(c, pe)
+
+    store_paged_rows(kv_cache, slot_mapping, encode)
 
 
 def indexer_block_view(cache: torch.Tensor) -> torch.Tensor:
@@ -87,6 +138,12 @@ def write_indexer_rows(
     scale_bytes = 4 * (head_dim // quant_block_size)
     blocks = indexer_block_view(kv_cache)
     block_size = blocks.shape[1] // indexer_token_bytes(head_dim, quant_block_size)
+    if _masked(kv_cache):
+        layout = ResolvedLayout("block_split", block_size, head_dim + scale_bytes,
+                                segments=((0, head_dim, head_dim), (block_size * head_dim, scale_bytes, scale_bytes)))
+        codes, scales = encode_indexer_rows(k, quant_block_size, scale_fmt)
+        if row_kernels.store_rows(blocks, layout, slot_mapping, torch.cat((codes, scales), dim=1)):
+            return
     idx = live_rows(slot_mapping)
     slots = slot_mapping[idx]
     codes, scales = encode_indexer_rows(k[idx], quant_block_size, scale_fmt)

@@ -8,16 +8,19 @@ every cache untouched. Two kinds of checks:
   symbolic there: a size mismatch is reported only when it is statically known
   (:func:`statically_known_true`), never by guarding on a symbol.
 * value checks (slots in range, no duplicate slots, positions in range): data-dependent, so they run
-  in the real implementation only.
+  in the real implementation only. They read the device on the host, so they are skipped while a
+  CUDA graph is being captured on the current stream, and inside ``value_checks(False)`` (a
+  benchmark's or a serving loop's choice; validate the inputs before the step instead).
 
 Errors name the op, the argument and the first caller frame outside torch and this package.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from typing import NoReturn, Sequence
+from typing import Iterator, NoReturn, Sequence
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -29,6 +32,27 @@ _KERNELS_DIR = os.path.dirname(os.path.abspath(__file__))
 PLAIN_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Dtypes a cache may hold fp8 e4m3 values in: the float8 dtype itself, or its raw bits.
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+_VALUE_CHECKS = [True]
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool) -> Iterator[None]:
+    """Run the block with the ops' data-dependent value checks on or off (on by default)."""
+    _VALUE_CHECKS.append(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.pop()
+
+
+def value_checks_active(t: torch.Tensor) -> bool:
+    """Whether the value checks of an op on ``t``'s device run now: on, and not capturing a CUDA
+    graph (a host read is refused inside a capture)."""
+    if not _VALUE_CHECKS[-1]:
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 class KernelInputError(ValueError):
@@ -124,6 +148,8 @@ def check_slot_values(op: str, arg: str, slots: torch.Tensor, num_slots: int) ->
     """Value check (real implementation only): every slot is -1-style padding or a distinct slot
     below ``num_slots``. Duplicates are refused because two rows racing for one slot has no
     deterministic result on a GPU."""
+    if not value_checks_active(slots):
+        return
     live = slots[slots >= 0]
     if live.numel() == 0:
         return
@@ -138,7 +164,7 @@ def check_slot_values(op: str, arg: str, slots: torch.Tensor, num_slots: int) ->
 
 def check_index_values(op: str, arg: str, values: torch.Tensor, low: int, high: int, what: str) -> None:
     """Value check (real implementation only): ``low <= values < high``."""
-    if values.numel() == 0:
+    if not value_checks_active(values) or values.numel() == 0:
         return
     lo, hi = int(values.min()), int(values.max())
     if lo < low or hi >= high:

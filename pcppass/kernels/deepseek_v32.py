@@ -99,10 +99,12 @@ def fused_norm_rope(
     checks.check_slot_values(OP, "slot_mapping", slot_mapping, num_paged_slots(mla_kv_cache))
     checks.check_slot_values(OP, "indexer_slot_mapping", indexer_slots,
                              num_indexer_slots(indexer_k_cache, index_k.shape[1], quant_block_size))
-    live_positions = positions[live]
-    checks.check_index_values(OP, "positions", live_positions, 0, cos_sin_cache.shape[0], "rows of cos_sin_cache")
-    checks.check_index_values(OP, "positions", live_positions, 0, index_cos_sin_cache.shape[0],
-                              "rows of index_cos_sin_cache")
+    if checks.value_checks_active(positions):  # boolean indexing reads the row count back
+        live_positions = positions[live]
+        checks.check_index_values(OP, "positions", live_positions, 0, cos_sin_cache.shape[0],
+                                  "rows of cos_sin_cache")
+        checks.check_index_values(OP, "positions", live_positions, 0, index_cos_sin_cache.shape[0],
+                                  "rows of index_cos_sin_cache")
 
     # padding rows may carry any position: rotate them at position 0, they are never stored
     safe_positions = torch.where(live, positions, 0)

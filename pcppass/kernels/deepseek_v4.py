@@ -15,12 +15,14 @@ import torch
 
 from pcppass.kernels import checks
 from pcppass.kernels.cache_ops import (
+    take_rows,
     check_indexer_cache,
     check_indexer_cache_storage,
     live_rows,
     num_indexer_slots,
     num_paged_slots,
     put_paged_rows,
+    store_paged_rows,
     write_indexer_rows,
 )
 from pcppass.kernels.math import rms_norm, rope
@@ -67,14 +69,15 @@ def swa_qnorm_rope_kv_insert(
     _check_swa(q, kv, swa_cache, slot_mapping, positions, cos_sin_cache)
     live = slot_mapping >= 0
     checks.check_slot_values(op, "slot_mapping", slot_mapping, num_paged_slots(swa_cache))
-    checks.check_index_values(op, "positions", positions[live], 0, cos_sin_cache.shape[0], "rows of cos_sin_cache")
+    if checks.value_checks_active(positions):  # boolean indexing reads the row count back
+        checks.check_index_values(op, "positions", positions[live], 0, cos_sin_cache.shape[0],
+                                  "rows of cos_sin_cache")
 
     safe_positions = torch.where(live, positions, 0)
     q_out = rope(rms_norm(q, None, eps), safe_positions, cos_sin_cache, "interleaved", "last")
     q_out = q_out.masked_fill(~live.view(-1, 1, 1), 0)
     kv_roped = rope(kv, safe_positions, cos_sin_cache, "interleaved", "last")
-    idx = live_rows(slot_mapping)
-    put_paged_rows(swa_cache, slot_mapping[idx], kv_roped[idx].to(swa_cache.dtype))
+    store_paged_rows(swa_cache, slot_mapping, lambda idx: take_rows(kv_roped, idx).to(swa_cache.dtype))
     return q_out
 
 
@@ -122,11 +125,15 @@ def compressor_save_state(
     op = "compressor_save_state"
     _check_save_state(kv, score, ape, positions, state_cache, slot_mapping, compress_ratio)
     checks.check_slot_values(op, "slot_mapping", slot_mapping, num_paged_slots(state_cache))
-    idx = live_rows(slot_mapping)
-    live_positions = positions[idx]
-    checks.check_index_values(op, "positions", live_positions, 0, 2**62, "token positions")
-    rows = torch.cat((kv[idx].float(), score[idx].float() + ape[live_positions % compress_ratio].float()), dim=-1)
-    put_paged_rows(state_cache, slot_mapping[idx], rows)
+    if checks.value_checks_active(positions):
+        checks.check_index_values(op, "positions", positions[live_rows(slot_mapping)], 0, 2**62, "token positions")
+
+    def encode(idx):
+        pos = take_rows(positions, idx)
+        return torch.cat((take_rows(kv, idx).float(), take_rows(score, idx).float() + ape[pos % compress_ratio].float()),
+                         dim=-1)
+
+    store_paged_rows(state_cache, slot_mapping, encode)
 
 
 @compressor_save_state.register_fake
