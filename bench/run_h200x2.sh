@@ -14,3 +14,9 @@ timeout 580 python3 -m pcppass bench --model deepseek_v32,llama --world 2 --rows
 timeout 400 python3 -m pcppass bench --model deepseek_v32,llama --world 2 --rows-per-rank 8,32 --context 4096,32768 \
   --sync-kernels reference --variants deferred,nosync,replicated --out "$OUT" \
   --tag h200x2_models_reference_sync_ops --timeout 390
+# 4. one-launch sync (sync_pack + sync_scatter_rows_all in Triton) vs the per-cache ops, 61-layer microbenchmark,
+#    plus a 2-layer llama step under CUDA graphs (cache-write ops without host reads); GPU tests first
+python3 -m pytest tests/test_row_kernels_cuda.py tests/test_kernels_cuda.py -q -x -p no:cacheprovider
+timeout 400 python3 -m pcppass bench --model llama --layers 2 --world 2 --rows-per-rank 8 --context 4096 \
+  --variants replicated,deferred,nosync --cuda-graph --sync-microbench --micro-rows 8,32,128 --out "$OUT" \
+  --tag h200x2_sync_batched --timeout 390

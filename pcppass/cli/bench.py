@@ -72,6 +72,9 @@ class BenchConfig:
     sync_microbench: bool = False
     micro_layers: int = 61
     micro_rows: tuple[int, ...] = (8, 32, 128)
+    micro_reference: bool = False
+    #: the cache-write ops' data-dependent value checks (host reads) during the steps
+    op_value_checks: bool = False
     out: str = "bench/results"
     tag: str = ""
     timeout_s: float = 580.0
@@ -411,6 +414,20 @@ def _derive(entry: dict) -> None:
             if val:
                 d[f"{name}_speedup"] = rep / val
                 d[f"{name}_fraction_of_ideal"] = (rep / val) / (rep / nos)
+    def g(name):
+        graph = v.get(name, {}).get("cuda_graph", {})
+        return graph.get("slowest_rank_ms") if graph.get("captured") else None
+
+    rep, dfr, nos = g("replicated"), g("deferred"), g("nosync")
+    if dfr and nos:
+        d["graph_deferred_sync_ms"] = dfr - nos
+        bare = entry.get("bare_all_gather_sync_bytes", {}).get("graph_us")
+        if bare:
+            d["graph_deferred_sync_vs_bare_all_gather"] = (dfr - nos) * 1000 / bare
+    if rep and nos and dfr:
+        d["graph_ideal_speedup"] = rep / nos
+        d["graph_deferred_speedup"] = rep / dfr
+        d["graph_deferred_fraction_of_ideal"] = nos / dfr
     entry["derived"] = d
 
 
@@ -424,6 +441,14 @@ MICRO_BLOCK = 64
 
 
 def sync_microbench(rank: int, world: int, cfg: BenchConfig, log: Callable[[str], None]) -> dict:
+    """The sync part of a ``micro_layers``-layer step, three ways, each per site and deferred:
+
+    * ``reference``: the plain-torch ``pcppass::sync_*`` ops (host reads; ``--micro-reference``);
+    * ``per_cache``: the host-read-free torch kernels of :mod:`pcppass.kernels.rows_cuda`, one
+      scatter per cache (what the rewrite emitted before ``sync_scatter_rows_all``);
+    * ``batched``: the ops as the rewrite emits them now: ``sync_pack`` (one Triton launch for all
+      caches), ``sync_read_header``, ONE ``sync_scatter_rows_all`` (one Triton launch).
+    """
     from pcppass.kernels import rows_cuda
     from pcppass.kernels.rows import decode_layouts, encode_layout, write_rows
     from pcppass.spec import ResolvedLayout
@@ -439,6 +464,26 @@ def sync_microbench(rank: int, world: int, cfg: BenchConfig, log: Callable[[str]
     layers = cfg.micro_layers
     out: dict[str, Any] = {"layers": layers, "world": world, "mla_row_bytes": MLA_ROW,
                            "indexer_row_bytes": INDEXER_VALUES + INDEXER_SCALES, "rows": {}}
+
+    def sync(impl: str, caches: list[torch.Tensor], slots: list[torch.Tensor], layouts: list[int],
+             payloads: list[torch.Tensor], slot_segments: list[int], verify: bool) -> None:
+        """One packed all-gather syncing ``caches`` (``slot_segments``: payload of each cache's slots)."""
+        n = len(caches)
+        pack = rows_cuda.pack if impl == "per_cache" else ops.sync_pack
+        packed = pack(fp, caches, slots, layouts, payloads)
+        gathered = packed.new_empty(packed.numel() * world)
+        dist.all_gather_into_tensor(gathered, packed)
+        header = rows_cuda.read_header if impl == "per_cache" else ops.sync_read_header
+        index = header(gathered, world, fp, n + len(payloads), verify)
+        decoded = decode_layouts(layouts)
+        if impl == "batched":
+            ops.sync_scatter_rows_all(caches, gathered, index, list(range(n)), [n + k for k in slot_segments],
+                                      layouts, group, "\n".join("c" * n), verify)
+            return
+        scatter = rows_cuda.scatter_rows if impl == "per_cache" else ops.sync_scatter_rows
+        for i, (cache, lay) in enumerate(zip(caches, decoded)):
+            scatter(cache, gathered, index, i, n + slot_segments[i], encode_layout(lay), group, "c", verify)
+
     for rows in cfg.micro_rows:
         nb = 2 + world * rows
         gen = torch.Generator(device="cuda")
@@ -452,40 +497,29 @@ def sync_microbench(rank: int, world: int, cfg: BenchConfig, log: Callable[[str]
         slots[-1] = -1
         idx_slots = slots.clone()
 
-        def per_site(verify: bool):
+        def per_site(impl: str, verify: bool = False):
             def run():
                 for layer in range(layers):
-                    packed = ops.sync_pack(fp, [mla[layer], idx[layer]], [slots, idx_slots],
-                                           mla_layout + idx_layout, [slots, idx_slots])
-                    gathered = packed.new_empty(packed.numel() * world)
-                    dist.all_gather_into_tensor(gathered, packed)
-                    index = ops.sync_read_header(gathered, world, fp, 4, verify)
-                    ops.sync_scatter_rows(mla[layer], gathered, index, 0, 2, mla_layout, group, "mla", verify)
-                    ops.sync_scatter_rows(idx[layer], gathered, index, 1, 3, idx_layout, group, "idx", verify)
+                    sync(impl, [mla[layer], idx[layer]], [slots, idx_slots], mla_layout + idx_layout,
+                         [slots, idx_slots], [0, 1], verify)
             return run
 
-        def deferred(verify: bool):
+        def deferred(impl: str, verify: bool = False):
             caches = [c for layer in range(layers) for c in (mla[layer], idx[layer])]
             cache_slots = [s for _ in range(layers) for s in (slots, idx_slots)]
             layouts = [x for _ in range(layers) for x in mla_layout + idx_layout]
-            nseg = len(caches) + 2
+            slot_segments = [i % 2 for i in range(len(caches))]
 
             def run():
-                packed = ops.sync_pack(fp, caches, cache_slots, layouts, [slots, idx_slots])
-                gathered = packed.new_empty(packed.numel() * world)
-                dist.all_gather_into_tensor(gathered, packed)
-                index = ops.sync_read_header(gathered, world, fp, nseg, verify)
-                for i, cache in enumerate(caches):
-                    lay = mla_layout if i % 2 == 0 else idx_layout
-                    ops.sync_scatter_rows(cache, gathered, index, i, len(caches) + i % 2, lay, group, "c", verify)
+                sync(impl, caches, cache_slots, layouts, [slots, idx_slots], slot_segments, verify)
             return run
 
-        packed_bytes = ops.sync_pack(fp, [mla[0], idx[0]], [slots, idx_slots], mla_layout + idx_layout,
-                                     [slots, idx_slots]).numel()
-        all_bytes = ops.sync_pack(fp, [c for layer in range(layers) for c in (mla[layer], idx[layer])],
-                                  [s for _ in range(layers) for s in (slots, idx_slots)],
-                                  [x for _ in range(layers) for x in mla_layout + idx_layout],
-                                  [slots, idx_slots]).numel()
+        packed_bytes = rows_cuda.pack(fp, [mla[0], idx[0]], [slots, idx_slots], mla_layout + idx_layout,
+                                      [slots, idx_slots]).numel()
+        all_bytes = rows_cuda.pack(fp, [c for layer in range(layers) for c in (mla[layer], idx[layer])],
+                                   [s for _ in range(layers) for s in (slots, idx_slots)],
+                                   [x for _ in range(layers) for x in mla_layout + idx_layout],
+                                   [slots, idx_slots]).numel()
         site_buf = torch.zeros(packed_bytes, dtype=torch.uint8, device="cuda")
         site_out = torch.empty(packed_bytes * world, dtype=torch.uint8, device="cuda")
 
@@ -496,14 +530,16 @@ def sync_microbench(rank: int, world: int, cfg: BenchConfig, log: Callable[[str]
         entry: dict[str, Any] = {"bytes_per_rank_deferred": all_bytes, "bytes_per_rank_per_site": packed_bytes,
                                  "collectives_per_site_method": layers, "collectives_deferred": 1}
         reps_slow = max(5, cfg.reps // 2)
-        runs = [
-            ("per_site_reference_checked", per_site(True), False, reps_slow),
-            ("deferred_reference_checked", deferred(True), False, reps_slow),
-            ("per_site_reference", per_site(False), False, reps_slow),
-            ("deferred_reference", deferred(False), False, reps_slow),
-            ("per_site_device", per_site(False), True, cfg.reps),
-            ("deferred_device", deferred(False), True, cfg.reps),
-        ]
+        runs = []
+        if cfg.micro_reference:
+            runs += [("per_site_reference_checked", per_site("reference", True), False, reps_slow),
+                     ("deferred_reference_checked", deferred("reference", True), False, reps_slow),
+                     ("per_site_reference", per_site("reference"), False, reps_slow),
+                     ("deferred_reference", deferred("reference"), False, reps_slow)]
+        runs += [("per_site_per_cache", per_site("per_cache"), True, cfg.reps),
+                 ("deferred_per_cache", deferred("per_cache"), True, cfg.reps),
+                 ("per_site_batched", per_site("batched"), True, cfg.reps),
+                 ("deferred_batched", deferred("batched"), True, cfg.reps)]
         for label, fn, device_kernels, reps in runs:
             with rows_cuda.kernels_enabled(device_kernels):
                 ms = time_steps(fn, 2, reps)
@@ -518,23 +554,24 @@ def sync_microbench(rank: int, world: int, cfg: BenchConfig, log: Callable[[str]
         bare = bare_all_gather_us(all_bytes)
         entry["bare_single_eager_us"] = bare["eager_us"]
         entry["bare_single_graph_us"] = bare.get("graph_us")
-        # Correctness of the device kernels: each rank first writes its own rows (bytes that differ
+        # Correctness of each device path: every rank first writes its own rows (bytes that differ
         # by rank, as an owner's op would), so replicas differ until the sync copies them over.
         all_caches = {f"mla{i}": c for i, c in enumerate(mla)} | {f"idx{i}": c for i, c in enumerate(idx)}
         own = slots[slots >= 0]
         owner_gen = torch.Generator(device="cuda")
         owner_gen.manual_seed(100 + rank)
-        for layer in range(layers):
-            for cache, lay in ((mla[layer], mla_layout), (idx[layer], idx_layout)):
-                (resolved,) = decode_layouts(lay)
-                fresh = torch.randint(0, 256, (own.numel(), resolved.bytes_per_row), dtype=torch.uint8,
-                                      device="cuda", generator=owner_gen)
-                write_rows(cache, own, fresh, resolved)
-        entry["replicas_differ_before_sync"] = not all(caches_equal_across_ranks(all_caches).values())
-        with rows_cuda.kernels_enabled(True):
-            deferred(False)()
-        torch.cuda.synchronize()
-        entry["replicas_equal_after_sync"] = all(caches_equal_across_ranks(all_caches).values())
+        for impl in ("per_cache", "batched"):
+            for layer in range(layers):
+                for cache, lay in ((mla[layer], mla_layout), (idx[layer], idx_layout)):
+                    (resolved,) = decode_layouts(lay)
+                    fresh = torch.randint(0, 256, (own.numel(), resolved.bytes_per_row), dtype=torch.uint8,
+                                          device="cuda", generator=owner_gen)
+                    write_rows(cache, own, fresh, resolved)
+            entry[f"{impl}_replicas_differ_before_sync"] = not all(caches_equal_across_ranks(all_caches).values())
+            with rows_cuda.kernels_enabled(True):
+                deferred(impl)()
+            torch.cuda.synchronize()
+            entry[f"{impl}_replicas_equal_after_sync"] = all(caches_equal_across_ranks(all_caches).values())
         out["rows"][str(rows)] = entry
         log(f"sync microbench R={rows}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                                      for k, v in entry.items()))
@@ -574,7 +611,7 @@ def environment() -> dict[str, Any]:
 def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
     """One rank of the benchmark (started by :func:`pcppass.engine.launch.launch`)."""
     import pcppass.kernels  # noqa: F401
-    from pcppass.kernels import rows_cuda
+    from pcppass.kernels import checks, rows_cuda
 
     _configure_dynamo()
     partial = Path(cfg.out) / f"bench_{cfg.tag}.partial.json"
@@ -589,7 +626,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
             partial.parent.mkdir(parents=True, exist_ok=True)
             partial.write_text(json.dumps(result, indent=1, default=str))
 
-    with rows_cuda.kernels_enabled(cfg.sync_kernels == "device"):
+    with rows_cuda.kernels_enabled(cfg.sync_kernels == "device"), checks.value_checks(cfg.op_value_checks):
         if cfg.sync_microbench:
             try:
                 result["sync_microbench"] = sync_microbench(rank, world, cfg, log)
@@ -652,30 +689,57 @@ def markdown(result: dict) -> str:
         graphs = [(e, vn, vd["cuda_graph"]) for e in m.get("configs", []) for vn, vd in e["variants"].items()
                   if "cuda_graph" in vd]
         if graphs:
-            lines += ["", "CUDA-graph capture:", ""]
-            for e, vn, g in graphs:
-                lines.append(f"- N={e['rows_per_rank']} C={e['context']} `{vn}`: "
-                             + (f"{g['slowest_rank_ms']:.3f} ms" if g.get("captured") else f"not captured ({g['reason']})"))
+            failed = [(e, vn, g) for e, vn, g in graphs if not g.get("captured")]
+            lines += ["", "CUDA-graph replay (slowest rank's median):", "",
+                      "| N/rank | context | replicated ms | immediate ms | deferred ms | nosync ms | deferred sync ms | "
+                      "bare all-gather graph µs | sync / bare | speedup def | ideal | % of ideal |",
+                      "|" + "---|" * 12]
+            for e in m.get("configs", []):
+                v, d = e["variants"], e.get("derived", {})
+
+                def gms(name):
+                    g = v.get(name, {}).get("cuda_graph", {})
+                    return _fmt(g.get("slowest_rank_ms")) if g.get("captured") else "–"
+
+                bare = e.get("bare_all_gather_sync_bytes", {})
+                frac = d.get("graph_deferred_fraction_of_ideal")
+                lines.append(
+                    f"| {e['rows_per_rank']} | {e['context']} | {gms('replicated')} | {gms('immediate')} | "
+                    f"{gms('deferred')} | {gms('nosync')} | {_fmt(d.get('graph_deferred_sync_ms'))} | "
+                    f"{_fmt(bare.get('graph_us'), '.1f')} | {_fmt(d.get('graph_deferred_sync_vs_bare_all_gather'), '.1f')}× | "
+                    f"{_fmt(d.get('graph_deferred_speedup'))} | {_fmt(d.get('graph_ideal_speedup'))} | "
+                    f"{_fmt(100 * frac if frac is not None else None, '.1f')} |")
+            for e, vn, g in failed:
+                lines.append(f"- N={e['rows_per_rank']} C={e['context']} `{vn}`: not captured ({g['reason']})")
         lines.append("")
     micro = result.get("sync_microbench")
     if micro:
         lines += [f"## Sync cost: {micro['layers']} layers, DeepSeek-V3.2 rows (MLA {micro['mla_row_bytes']} B + "
                   f"indexer {micro['indexer_row_bytes']} B), real `pcppass::sync_*` ops, µs per step", "",
-                  "| rows/rank | B/rank | per-site ref+checks | deferred ref+checks | per-site ref | deferred ref | "
-                  "per-site device | deferred device | per-site device graph | deferred device graph | "
-                  "bare per-site graph | bare single eager | bare single graph | deferred graph / bare graph |",
-                  "|" + "---|" * 14]
+                  "per_cache = one scatter op per cache (torch kernels); batched = one pack launch + one "
+                  "`sync_scatter_rows_all` launch per collective (Triton). graph = CUDA-graph replay.", "",
+                  "| rows/rank | B/rank | per-site per_cache graph | deferred per_cache eager | deferred per_cache graph | "
+                  "per-site batched graph | deferred batched eager | deferred batched graph | bare per-site graph | "
+                  "bare single eager | bare single graph | deferred batched graph / bare graph | replicas equal |",
+                  "|" + "---|" * 13]
         for r, e in micro["rows"].items():
-            g, b = e.get("deferred_device_graph_us"), e.get("bare_single_graph_us")
+            g, b = e.get("deferred_batched_graph_us"), e.get("bare_single_graph_us")
             ratio = g / b if isinstance(g, float) and isinstance(b, float) else None
+            equal = all(e.get(f"{i}_replicas_equal_after_sync") and e.get(f"{i}_replicas_differ_before_sync")
+                        for i in ("per_cache", "batched"))
             lines.append(
-                f"| {r} | {e['bytes_per_rank_deferred']} | {_fmt(e.get('per_site_reference_checked_eager_us'), '.0f')} | "
-                f"{_fmt(e.get('deferred_reference_checked_eager_us'), '.0f')} | "
-                f"{_fmt(e.get('per_site_reference_eager_us'), '.0f')} | {_fmt(e.get('deferred_reference_eager_us'), '.0f')} | "
-                f"{_fmt(e.get('per_site_device_eager_us'), '.0f')} | {_fmt(e.get('deferred_device_eager_us'), '.0f')} | "
-                f"{_fmt(e.get('per_site_device_graph_us'), '.0f')} | {_fmt(g, '.0f')} | "
-                f"{_fmt(e.get('bare_per_site_graph_us'), '.0f')} | {_fmt(e.get('bare_single_eager_us'), '.1f')} | "
-                f"{_fmt(b, '.1f')} | {_fmt(ratio, '.1f')}× |")
+                f"| {r} | {e['bytes_per_rank_deferred']} | {_fmt(e.get('per_site_per_cache_graph_us'), '.0f')} | "
+                f"{_fmt(e.get('deferred_per_cache_eager_us'), '.0f')} | {_fmt(e.get('deferred_per_cache_graph_us'), '.0f')} | "
+                f"{_fmt(e.get('per_site_batched_graph_us'), '.0f')} | {_fmt(e.get('deferred_batched_eager_us'), '.0f')} | "
+                f"{_fmt(g, '.1f')} | {_fmt(e.get('bare_per_site_graph_us'), '.0f')} | "
+                f"{_fmt(e.get('bare_single_eager_us'), '.1f')} | {_fmt(b, '.1f')} | {_fmt(ratio, '.2f')}× | {equal} |")
+        if any("deferred_reference_eager_us" in e for e in micro["rows"].values()):
+            lines += ["", "| rows/rank | per-site ref+checks | deferred ref+checks | per-site ref | deferred ref |",
+                      "|" + "---|" * 5]
+            for r, e in micro["rows"].items():
+                lines.append(f"| {r} | " + " | ".join(_fmt(e.get(f"{k}_eager_us"), ".0f") for k in (
+                    "per_site_reference_checked", "deferred_reference_checked", "per_site_reference",
+                    "deferred_reference")) + " |")
         lines.append("")
     for err in result.get("errors", []):
         lines += [f"### error in {err['stage']}", "", "```", err["traceback"][-1500:], "```", ""]
@@ -739,6 +803,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="add the 61-layer sync-cost microbenchmark through the real pcppass::sync_* ops")
     p.add_argument("--micro-rows", default=(8, 32, 128), type=_csv(int))
     p.add_argument("--micro-layers", type=int, default=61)
+    p.add_argument("--micro-reference", action="store_true",
+                   help="also time the reference (plain-torch, host-reading) sync ops in the microbenchmark")
+    p.add_argument("--op-value-checks", action="store_true",
+                   help="keep the cache-write ops' value checks on (they read the device on the host)")
     p.add_argument("--out", default="bench/results", help="directory for the JSON and markdown results")
     p.add_argument("--tag", default="", help="file name tag (default: device, world and date)")
     p.add_argument("--timeout", type=float, default=580.0, help="seconds for the whole multi-GPU run")
@@ -763,7 +831,8 @@ def main(args: argparse.Namespace) -> int:
         contexts=args.context, layers=args.layers, variants=args.variants, warmup=args.warmup, reps=args.reps,
         smoke_steps=args.smoke_steps, sync_kernels=args.sync_kernels, gather_hidden=args.gather_hidden,
         cuda_graph=args.cuda_graph, sync_microbench=args.sync_microbench, micro_layers=args.micro_layers,
-        micro_rows=args.micro_rows, out=args.out, tag=tag, timeout_s=args.timeout,
+        micro_rows=args.micro_rows, micro_reference=args.micro_reference, op_value_checks=args.op_value_checks,
+        out=args.out, tag=tag, timeout_s=args.timeout,
     )
     results = launch(bench_rank, cfg.world, cfg, backend="nccl", timeout_s=cfg.timeout_s)
     result = results[0]
