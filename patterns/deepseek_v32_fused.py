@@ -23,6 +23,5 @@ FUSED_NORM_ROPE = register_pattern(WritePattern(
         "slot_mapping": 0, "indexer_slot_mapping": 0,
     },
     recipe=Recipe.COPY_ROWS,
-    non_cache_outputs=("output",),
     doc="Q RMSNorm (returned) + MLA KV and indexer K stores in one op",
 ))
