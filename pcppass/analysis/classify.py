@@ -74,7 +74,18 @@ def _layout_args(bound: dict[str, object]) -> dict[str, object]:
     return out
 
 
-def _role_for(pattern: WritePattern, arg: str | None) -> CacheRole | None:
+def cache_role(record: StateWrite) -> CacheRole | None:
+    """The role of ``record.pattern`` that describes the written cache; None if none does.
+
+    An in-place aten family pattern has one role whatever the receiver is called; an op pattern
+    names the written argument (``caches`` also matches the element ``caches[0]`` of a list).
+    """
+    pattern = record.pattern
+    if pattern is None:
+        return None
+    if record.family is not None:
+        return pattern.caches[0]
+    arg = record.arg
     base = arg.split("[", 1)[0] if arg else arg
     return next((c for c in pattern.caches if c.arg in (arg, base)), None)
 
@@ -113,7 +124,7 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
                        f"{record.op} updates {record.state} as a whole, not rows addressed by a "
                        f"slot mapping (e.g. a counter every rank bumps)")
         return
-    role = pattern.caches[0]
+    role = cache_role(record)
     written = node_value(record.written_node)
     if family == "index_copy_":
         dim = record.bound_args.get("dim")
@@ -189,7 +200,7 @@ def classify_write(record: StateWrite) -> StateWrite:
     if record.family is not None:
         _classify_family(record, pattern)
         return record
-    role = _role_for(pattern, record.arg)
+    role = cache_role(record)
     if role is None:
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
                    f"pattern {pattern.name} declares no cache role for argument {record.arg} "

@@ -27,6 +27,7 @@ class Uncovered(str, enum.Enum):
     NON_INVERTIBLE_VIEW = "view the rewrite cannot invert"
     UNDECLARED_CACHE_HANDLE = "op declares no mutation but takes a cache-like handle"
     USER_TRITON_KERNEL = "user Triton kernel writes state"
+    WRITE_IN_HIGHER_ORDER_OP = "write inside a higher-order op region"
 
 
 class StateKind(str, enum.Enum):

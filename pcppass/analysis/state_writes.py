@@ -8,13 +8,21 @@ temporary and is not reported.
 A node writes through one of its arguments when
 
 * its target is an operator (``torch.ops.ns.op`` packet or overload) whose schema marks that argument
-  ``Tensor(a!)`` (for a packet the overload is resolved from the argument values);
-* it is an in-place tensor method or function (``index_copy_``, ``add_``, any ``*_``), an in-place
-  Python operator (``operator.setitem``, ``+=``), or a call with an ``out=`` tensor;
+  ``Tensor(a!)`` or ``Tensor(a!)[]`` (for a packet the overload is resolved from the argument
+  values; a written list writes every tensor in it);
+* it is an in-place tensor method or torch function (``index_copy_``, ``add_``, private ones such
+  as ``_foreach_copy_``): resolved to the aten overload of that name, whose schema says which
+  arguments are written, else its first argument (each tensor of a list); an in-place Python
+  operator (``operator.setitem``, ``+=``), or a call with an ``out=`` tensor;
 * it is a user Triton kernel traced into the graph (``triton_kernel_wrapper_mutation``): the
   written pointers come from Triton's own analysis of the kernel.
 
 The written argument is resolved to its base state through :mod:`pcppass.analysis.views`.
+
+The bodies of higher-order ops (``torch.utils.checkpoint`` -> ``tag_activation_checkpoint``,
+``wrap``, ``invoke_subgraph``, ``cond``...) are walked too, their placeholders mapped to the op's
+operands: a write there that reaches state is reported, uncovered, against the higher-order op
+node (the rewrite cannot place sync inside a region body).
 Separately, an operator that declares no write at all but returns only a dependency token and takes
 a cache-like handle (a state tensor or a layer-name string) is reported: it may write state the graph
 cannot see (vLLM's ``unified_kv_cache_update``).
@@ -39,7 +47,10 @@ import torch.fx
 
 from pcppass.analysis.defuse import DefUse
 from pcppass.analysis.records import StateKind, StateWrite, Uncovered
-from pcppass.analysis.views import AliasMap, node_value, view_info
+from pcppass.analysis.schema import (
+    SETITEM_ARGS, aten_overload, bind_schema, resolve_overload, written_args,
+)
+from pcppass.analysis.views import AliasMap, fake_value, node_value, view_info
 
 #: Operator namespaces that are torch's own (never a user cache-write op).
 TORCH_NAMESPACES = frozenset({
@@ -135,67 +146,7 @@ def state_tensors(gm: torch.fx.GraphModule) -> list[StateTensor]:
     return states
 
 
-# ----------------------------------------------------------------------------- schema binding
-
-
-def _fake(arg: object) -> object:
-    if isinstance(arg, torch.fx.Node):
-        return node_value(arg)
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_fake(a) for a in arg)
-    return arg
-
-
-def resolve_overload(
-    target: object, args: tuple, kwargs: dict
-) -> torch._ops.OpOverload | None:
-    """The overload a call of ``target`` (packet or overload) dispatches to, from its arguments."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target
-    if not isinstance(target, torch._ops.OpOverloadPacket):
-        return None
-    names = target.overloads()
-    if len(names) == 1:
-        return getattr(target, names[0])
-    try:
-        name = torch._C._jit_resolve_packet(
-            target._qualified_op_name, *_fake(tuple(args)), **_fake(dict(kwargs))
-        )
-        return getattr(target, name)
-    except (RuntimeError, TypeError):
-        pass
-    for name in names:  # fall back to the first schema the arguments bind to
-        overload = getattr(target, name)
-        if bind_schema(overload._schema, args, kwargs) is not None:
-            return overload
-    return None
-
-
-def bind_schema(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> dict[str, object] | None:
-    """Schema argument name -> value (node, constant or default); None if the call does not bind."""
-    positional = [a for a in schema.arguments if not a.kwarg_only]
-    if len(args) > len(positional):
-        return None
-    bound: dict[str, object] = {}
-    for formal, actual in zip(positional, args):
-        bound[formal.name] = actual
-    known = {a.name for a in schema.arguments}
-    for key, value in kwargs.items():
-        if key not in known or key in bound:
-            return None
-        bound[key] = value
-    for formal in schema.arguments:
-        if formal.name not in bound:
-            if not formal.has_default_value():
-                return None
-            bound[formal.name] = formal.default_value
-    return bound
-
-
-def _written_schema_args(schema: torch.FunctionSchema) -> list[str]:
-    return [
-        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
-    ]
+# ----------------------------------------------------------------------------- write sites
 
 
 def _tensor_nodes(value: object, name: str) -> list[tuple[str, torch.fx.Node]]:
@@ -207,35 +158,22 @@ def _tensor_nodes(value: object, name: str) -> list[tuple[str, torch.fx.Node]]:
     return []
 
 
-def _aten_method_binding(name: str, args: tuple, kwargs: dict) -> dict[str, object]:
-    """Bind an in-place method call to aten's schema names (``self``, ``dim``, ``index``...)."""
-    packet = getattr(torch.ops.aten, name, None)
-    overload = resolve_overload(packet, args, kwargs) if packet is not None else None
-    if overload is not None:
-        bound = bind_schema(overload._schema, args, kwargs)
-        if bound is not None:
-            return bound
-    bound = {"self": args[0]} if args else {}
-    bound.update({f"arg{i}": a for i, a in enumerate(args[1:], start=1)})
-    bound.update(kwargs)
-    return bound
-
-
-# ----------------------------------------------------------------------------- write sites
-
-
 def _is_torch_namespace(qualified: str) -> bool:
     return qualified.split("::", 1)[0] in TORCH_NAMESPACES
 
 
-def _method_family(name: str) -> str | None:
-    """In-place spelling -> family name; None when the method writes no tensor data."""
+def _inplace_family(name: str) -> str | None:
+    """In-place spelling -> family name; None when the name is not an in-place data write.
+
+    Private in-place ops count (``_foreach_add_``, ``_index_put_impl_``): only dunders are
+    spelled differently from their aten op.
+    """
     if name == "__setitem__":
         return "setitem"
     if name.startswith("__") and name.endswith("__"):
         inplace = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_", "__itruediv__": "div_"}
         return inplace.get(name)
-    if name.endswith("_") and not name.startswith("_") and name not in NON_DATA_INPLACE:
+    if name.endswith("_") and name.strip("_") and name not in NON_DATA_INPLACE:
         return name
     return None
 
@@ -250,10 +188,9 @@ def _triton_sites(node: torch.fx.Node) -> list[WriteSite]:
     kernel = tkw.kernel_side_table.get_kernel(kernel_idx)
     fn = getattr(kernel, "fn", kernel)
     name = getattr(fn, "__name__", "kernel")
-    fake_kwargs = {k: _fake(v) for k, v in node.kwargs["kwargs"].items()}
     try:
         written = tkw.get_mutated_tensors(
-            kernel_idx, node.kwargs["constant_args_idx"], fake_kwargs,
+            kernel_idx, node.kwargs["constant_args_idx"], fake_value(dict(node.kwargs["kwargs"])),
             node.kwargs.get("tma_descriptor_metadata", {}),
         )
     except Exception:  # Triton cannot analyse the kernel here: every pointer may be written
@@ -266,19 +203,47 @@ def _triton_sites(node: torch.fx.Node) -> list[WriteSite]:
     ]
 
 
+def _schema_sites(
+    node: torch.fx.Node, overload: torch._ops.OpOverload, op: str, family: str | None
+) -> list[WriteSite]:
+    """One site per tensor in every argument the schema marks written (each element of a list)."""
+    bound = bind_schema(overload._schema, node.args, node.kwargs) or {}
+    return [
+        WriteSite(node, op, label, tensor, family, bound)
+        for arg in written_args(overload._schema)
+        for label, tensor in _tensor_nodes(bound.get(arg), arg)
+    ]
+
+
+def _inplace_sites(node: torch.fx.Node, name: str) -> list[WriteSite]:
+    """A tensor method or torch function spelled in place (``index_copy_``, ``_foreach_add_``).
+
+    The aten overload of the same name says which arguments are written; without one, the first
+    argument (each tensor of it, for a list) is.
+    """
+    family = _inplace_family(name)
+    if family is None or not node.args:
+        return []
+    if family == "setitem":
+        bound = dict(zip(SETITEM_ARGS, node.args))
+        return [WriteSite(node, "Tensor.setitem", "self", node.args[0], family, bound)]
+    overload = aten_overload(family, node.args, node.kwargs)
+    if overload is not None:
+        return _schema_sites(node, overload, f"aten::{family}", family)
+    bound = {"self": node.args[0], **{f"arg{i}": a for i, a in enumerate(node.args[1:], start=1)},
+             **node.kwargs}
+    return [
+        WriteSite(node, f"Tensor.{family}", label, tensor, family, bound)
+        for label, tensor in _tensor_nodes(node.args[0], "self")
+    ]
+
+
 def write_sites(node: torch.fx.Node) -> list[WriteSite]:
     """Every (argument, tensor) ``node`` writes, whatever the spelling."""
     target = node.target
     if node.op == "call_method":
         name = str(target)
-        family = _method_family(name)
-        sites = []
-        if family is not None and node.args:
-            bound = _aten_method_binding(family if family != "setitem" else name, node.args, node.kwargs)
-            op = f"aten::{family}" if hasattr(torch.ops.aten, family) else f"Tensor.{family}"
-            sites.append(WriteSite(node, op, "self", node.args[0], family, bound))
-        sites += _out_sites(node, name)
-        return sites
+        return _inplace_sites(node, name) + _out_sites(node, name)
     if node.op != "call_function":
         return []
     if type(target).__name__ == "TritonKernelWrapperMutation":
@@ -286,7 +251,7 @@ def write_sites(node: torch.fx.Node) -> list[WriteSite]:
     if target in INPLACE_OPERATORS and node.args and isinstance(node.args[0], torch.fx.Node):
         family = INPLACE_OPERATORS[target]
         if family == "setitem":
-            bound = {"self": node.args[0], "indices": node.args[1], "values": node.args[2]}
+            bound = dict(zip(SETITEM_ARGS, node.args))
             return [WriteSite(node, "operator.setitem", "self", node.args[0], family, bound)]
         bound = {"self": node.args[0], "other": node.args[1]}
         return [WriteSite(node, f"aten::{family}", "self", node.args[0], family, bound)]
@@ -295,22 +260,18 @@ def write_sites(node: torch.fx.Node) -> list[WriteSite]:
         if overload is None:
             return []
         qualified = overload._schema.name
-        bound = bind_schema(overload._schema, node.args, node.kwargs) or {}
         family = qualified.split("::", 1)[1] if _is_torch_namespace(qualified) else None
-        return [
-            WriteSite(node, qualified, label, tensor, family, bound)
-            for arg in _written_schema_args(overload._schema)
-            for label, tensor in _tensor_nodes(bound.get(arg), arg)
-        ]
+        return _schema_sites(node, overload, qualified, family)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return []  # its body is walked as a region (see _region_writes)
     name = getattr(target, "__name__", "")
-    sites = []
-    family = _method_family(name) if name else None
-    if family is not None and node.args and isinstance(node.args[0], torch.fx.Node):
-        bound = _aten_method_binding(family, node.args, node.kwargs)
-        sites.append(WriteSite(node, f"aten::{family}", "self", node.args[0], family, bound))
-    elif node.kwargs.get("inplace") is True and node.args and isinstance(node.args[0], torch.fx.Node):
+    sites = _inplace_sites(node, name)
+    if not sites and node.kwargs.get("inplace") is True and node.args:
         bound = {"self": node.args[0], **node.kwargs}
-        sites.append(WriteSite(node, f"{name}(inplace=True)", "self", node.args[0], name, bound))
+        sites = [
+            WriteSite(node, f"{name}(inplace=True)", label, tensor, name, bound)
+            for label, tensor in _tensor_nodes(node.args[0], "self")
+        ]
     return sites + _out_sites(node, name)
 
 
@@ -333,7 +294,7 @@ def _declares_no_write_custom_op(node: torch.fx.Node) -> torch._ops.OpOverload |
     overload = resolve_overload(node.target, node.args, node.kwargs)
     if overload is None or _is_torch_namespace(overload._schema.name):
         return None
-    return None if _written_schema_args(overload._schema) else overload
+    return None if written_args(overload._schema) else overload
 
 
 def _only_a_dependency_token(node: torch.fx.Node, defuse: DefUse) -> bool:
@@ -407,6 +368,128 @@ def _handle_records(
     return records
 
 
+# ----------------------------------------------------------------------------- higher-order op regions
+
+
+@dataclass
+class _Reach:
+    """How a tensor inside a region reaches persistent state: the state, and the tensor of the
+    top-level graph the outermost higher-order op receives for it (None while still top-level)."""
+
+    state: StateTensor
+    outer: torch.fx.Node | None = None
+
+
+def _flat_nodes(value: object) -> list[torch.fx.Node]:
+    if isinstance(value, torch.fx.Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _flat_nodes(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _flat_nodes(v)]
+    return []
+
+
+def _is_higher_order(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+
+
+def _region_bodies(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.GraphModule]]:
+    """The subgraphs (``get_attr`` graph modules) a higher-order op node runs."""
+    owner = node.graph.owning_module
+    bodies = []
+    for arg in _flat_nodes((node.args, dict(node.kwargs))):
+        if arg.op != "get_attr" or owner is None:
+            continue
+        try:
+            body = owner.get_submodule(str(arg.target))
+        except AttributeError:
+            continue
+        if isinstance(body, torch.fx.GraphModule):
+            bodies.append((arg, body))
+    return bodies
+
+
+def _region_operands(node: torch.fx.Node, body_args: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    """What a body's placeholders receive, in order: the op's arguments after its last body.
+
+    True of ``wrap``, ``tag_activation_checkpoint``, ``invoke_subgraph``, ``cond``,
+    ``while_loop``, ``map_impl``, ``scan``...; where the counts do not match (``flex_attention``),
+    placeholders are matched to state by storage instead.
+    """
+    flat = _flat_nodes(node.args)
+    last = max((i for i, n in enumerate(flat) if n in body_args), default=-1)
+    return [n for n in flat[last + 1:] if n not in body_args]
+
+
+def _region_writes(
+    hop: torch.fx.Node,
+    aliases: AliasMap,
+    reach: dict[torch.fx.Node, _Reach],
+    top_hop: torch.fx.Node,
+    top_aliases: AliasMap,
+    path: tuple[str, ...],
+) -> list[StateWrite]:
+    """Writes into persistent state inside the bodies of the higher-order op node ``hop``.
+
+    ``aliases`` and ``reach`` describe the graph holding ``hop`` (its state bases and how each
+    reaches a top-level state tensor). Body placeholders are mapped to the op's operands; a write
+    through one that aliases state is reported against the top-level op node ``top_hop``, as a
+    write the rewrite cannot cover: sync cannot be placed inside a region body.
+    """
+    bodies = _region_bodies(hop)
+    operands = _region_operands(hop, {arg for arg, _ in bodies})
+    records: list[StateWrite] = []
+    for _, body in bodies:
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        positional = len(operands) == len(placeholders)
+        inner: dict[torch.fx.Node, _Reach] = {}
+        for i, placeholder in enumerate(placeholders):
+            operand = operands[i] if positional else None
+            alias = aliases.alias_of(operand)
+            base = alias.base if alias is not None else aliases.base_of_value(node_value(placeholder))
+            if base is None:
+                continue
+            outer = reach[base].outer or (operand if alias is not None else base)
+            inner[placeholder] = _Reach(reach[base].state, outer)
+        if not inner:
+            continue
+        body_aliases = AliasMap(DefUse(body.graph), list(inner))
+        for node in body.graph.nodes:
+            for site in write_sites(node):
+                alias = body_aliases.alias_of(site.tensor)
+                if alias is not None:
+                    records.append(_region_record(top_hop, top_aliases, path, node, site, inner[alias.base]))
+            if _is_higher_order(node):
+                records += _region_writes(node, body_aliases, inner, top_hop, top_aliases,
+                                          path + (_hop_name(node),))
+    return records
+
+
+def _hop_name(node: torch.fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _region_record(
+    top_hop: torch.fx.Node, top_aliases: AliasMap, path: tuple[str, ...], node: torch.fx.Node,
+    site: WriteSite, reach: _Reach,
+) -> StateWrite:
+    state = reach.state
+    written = reach.outer if reach.outer is not None else state.node
+    alias = top_aliases.alias_of(written)
+    source = source_location(node)
+    region = " > ".join(path)
+    return StateWrite(
+        node=top_hop, op=site.op, state=state.name, state_node=state.node, arg=site.arg,
+        view_chain=list(alias.chain) if alias is not None else [state.node], source=source,
+        written_node=written, view=view_info(alias, written) if alias is not None else None,
+        state_kind=state.kind, family=site.family, reason=Uncovered.WRITE_IN_HIGHER_ORDER_OP,
+        detail=(f"{site.op} writes {state.name} through {site.arg} at {source}, inside the body "
+                f"of higher-order op {region} (node {top_hop.name}); replica sync cannot be "
+                f"placed inside a region body: move the write out of the region"),
+    )
+
+
 # ----------------------------------------------------------------------------- entry point
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
@@ -439,6 +522,7 @@ def find_state_writes(gm: torch.fx.GraphModule, *, classify: bool = True) -> lis
     states = state_tensors(gm)
     names = {s.node: s for s in states}
     aliases = AliasMap(defuse, [s.node for s in states])
+    reach = {s.node: _Reach(s) for s in states}
     records: list[StateWrite] = []
     for node in gm.graph.nodes:
         sites = write_sites(node)
@@ -453,7 +537,9 @@ def find_state_writes(gm: torch.fx.GraphModule, *, classify: bool = True) -> lis
                 written_node=site.tensor, view=view_info(alias, site.tensor),
                 state_kind=state.kind, family=site.family, bound_args=site.bound_args,
             ))
-        if not sites:
+        if _is_higher_order(node):
+            records += _region_writes(node, aliases, reach, node, aliases, (_hop_name(node),))
+        elif not sites:
             records += _handle_records(node, defuse, aliases, names)
     if classify:
         from pcppass.analysis.classify import classify_writes

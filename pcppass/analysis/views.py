@@ -52,6 +52,17 @@ def node_value(node: object) -> object:
     return meta.get("val")
 
 
+def fake_value(value: object) -> object:
+    """``value`` with every FX node replaced by its fake value, through lists, tuples and dicts."""
+    if isinstance(value, torch.fx.Node):
+        return node_value(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(fake_value(v) for v in value)
+    if isinstance(value, dict):
+        return {k: fake_value(v) for k, v in value.items()}
+    return value
+
+
 def op_name(node: torch.fx.Node) -> str:
     """A short spelling of what a node does: method name, function ``__name__`` or aten op name."""
     target = node.target
@@ -132,11 +143,16 @@ class AliasMap:
             return None
         return self._alias.get(node)
 
+    def base_of_value(self, value: object) -> torch.fx.Node | None:
+        """The state placeholder whose storage the fake tensor ``value`` shares, if any."""
+        key = _storage_key(value)
+        return self._by_storage.get(key) if key is not None else None
+
 
 def _same_tensor_step(node: torch.fx.Node) -> bool:
     """In-place ops return their (mutated) first argument: not a view step, the same tensor."""
     name = op_name(node)
-    return name.endswith("_") and not name.startswith("_") and name not in VIEW_OPS
+    return name.endswith("_") and not name.startswith("__") and name not in VIEW_OPS
 
 
 def view_info(alias: Alias, written: torch.fx.Node) -> ViewInfo | None:

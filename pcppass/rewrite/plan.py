@@ -10,14 +10,16 @@ The plan is data about the graph; :mod:`pcppass.rewrite.insert` turns it into gr
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.fx
 
+from pcppass.analysis.classify import cache_role
 from pcppass.analysis.records import StateWrite
+from pcppass.analysis.schema import bind_call
+from pcppass.analysis.views import fake_value, node_value
 from pcppass.spec import CacheRole, Recipe, ResolvedLayout, WritePattern, qualified_op_name
 
 
@@ -86,51 +88,13 @@ class SyncPlan:
 # Argument binding
 # ---------------------------------------------------------------------------------------------
 
-#: ``cache[idx] = src`` binds like ``index_put_(self, indices, values)``.
-_SETITEM_NAMES = ("self", "indices", "values")
-
-
-def _bind_schema(schema: torch._C.FunctionSchema, args: Sequence, kwargs: dict) -> dict[str, Any] | None:
-    bound: dict[str, Any] = {}
-    positional = [a for a in schema.arguments if not a.kwarg_only]
-    if len(args) > len(positional):
-        return None
-    for a, value in zip(positional, args):
-        bound[a.name] = value
-    names = {a.name for a in schema.arguments}
-    for key, value in kwargs.items():
-        if key not in names or key in bound:
-            return None
-        bound[key] = value
-    for a in schema.arguments:
-        if a.name not in bound:
-            if not a.has_default_value():
-                return None
-            bound[a.name] = a.default_value
-    return bound
-
 
 def bind_arguments(node: torch.fx.Node) -> dict[str, Any]:
     """Every argument of a write node by its schema name (``self`` for the method receiver)."""
-    target = node.target
-    if node.op == "call_function" and target is operator.setitem:
-        return dict(zip(_SETITEM_NAMES, node.args))
-    if node.op == "call_method":
-        packet = getattr(torch.ops.aten, str(target), None)
-        if packet is None:
-            raise PlanError(f"no aten schema for method {target!r} at node {node.name}")
-        schemas = [getattr(packet, ov)._schema for ov in packet.overloads()]
-    elif isinstance(target, torch._ops.OpOverload):
-        schemas = [target._schema]
-    elif isinstance(target, torch._ops.OpOverloadPacket):
-        schemas = [getattr(target, ov)._schema for ov in target.overloads()]
-    else:
-        raise PlanError(f"cannot bind arguments of {node.format_node()}")
-    for schema in schemas:
-        bound = _bind_schema(schema, node.args, dict(node.kwargs))
-        if bound is not None:
-            return bound
-    raise PlanError(f"arguments of node {node.name} match no schema of {target}")
+    bound = bind_call(node)
+    if bound is None:
+        raise PlanError(f"arguments of node {node.name} match no schema of {node.target}")
+    return bound
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,20 +102,11 @@ def bind_arguments(node: torch.fx.Node) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fake(value: Any) -> Any:
-    if isinstance(value, torch.fx.Node):
-        return value.meta.get("example_value", value.meta.get("val"))
-    return value
-
-
-def _role_for(pattern: WritePattern, arg: str | None) -> CacheRole:
-    base = arg.split("[", 1)[0] if arg else arg  # "caches[0]" for a Tensor[] argument
-    for role in pattern.caches:
-        if role.arg in (arg, base):
-            return role
-    if len(pattern.caches) == 1:
-        return pattern.caches[0]
-    raise PlanError(f"pattern {pattern.name} has no cache role for argument {arg!r}")
+def _role(write: StateWrite) -> CacheRole:
+    role = cache_role(write)
+    if role is None:
+        raise PlanError(f"pattern {write.pattern.name} has no cache role for argument {write.arg!r}")
+    return role
 
 
 def _tensor_node(arguments: dict[str, Any], name: str, site: str) -> torch.fx.Node:
@@ -177,9 +132,9 @@ def _cache_node(write: StateWrite, layout: ResolvedLayout, fallback: torch.fx.No
     """The tensor the layout addresses: the written tensor, or for a write through a flattened
     view of a paged cache (``cache.view(-1, ...)[slot] = row``) the paged base itself."""
     written = write.written_node if write.written_node is not None else fallback
-    if layout.kind != "paged_rows" or _fits_paged(_fake(written), layout):
+    if layout.kind != "paged_rows" or _fits_paged(node_value(written), layout):
         return written
-    if write.state_node is not None and _fits_paged(_fake(write.state_node), layout):
+    if write.state_node is not None and _fits_paged(node_value(write.state_node), layout):
         return write.state_node
     raise PlanError(f"{write.op} at {write.source}: paged layout {layout} fits neither the written "
                     f"tensor nor {write.state}")
@@ -189,8 +144,8 @@ def _layout(write: StateWrite, role: CacheRole, cache: torch.fx.Node,
             arguments: dict[str, Any]) -> ResolvedLayout:
     if write.layout is not None:
         return write.layout
-    fake_cache = _fake(cache)
-    fake_args = {k: _fake(v) for k, v in arguments.items()}
+    fake_cache = node_value(cache)
+    fake_args = {k: fake_value(v) for k, v in arguments.items()}
     return role.layout.resolve(tuple(fake_cache.shape), fake_cache.element_size(), fake_args)
 
 
@@ -216,7 +171,7 @@ def plan_sync(writes: Sequence[StateWrite]) -> SyncPlan:
         arguments = dict(records[0].bound_args) or bind_arguments(node)
         caches = []
         for w in records:
-            role = _role_for(pattern, w.arg)
+            role = _role(w)
             written = w.written_node if w.written_node is not None else _tensor_node(arguments, role.arg, where)
             layout = _layout(w, role, written, arguments)
             slots = _tensor_node(arguments, role.slots, where)
