@@ -174,11 +174,10 @@ class WritePattern:
     name: str
     ops: tuple[str, ...]
     caches: tuple[CacheRole, ...]
-    #: per-row input arguments and their row dim (all inputs a re-run needs, slots included)
+    #: per-row input arguments and their row dim (all inputs a re-run needs, slots included);
+    #: a re-run discards every output of the op, the owner keeps them all
     row_args: Mapping[str, int] = field(default_factory=dict)
     recipe: Recipe = Recipe.COPY_ROWS
-    #: op outputs that are not cache writes (fused Q etc.): kept on the owner, discarded on re-run
-    non_cache_outputs: tuple[str, ...] = ()
     #: for in-place aten families: method/function spellings matched on the Dynamo graph
     aten_family: str | None = None
     doc: str = ""
@@ -194,7 +193,6 @@ class WritePattern:
             ],
             "row_args": dict(self.row_args),
             "recipe": self.recipe.value,
-            "non_cache_outputs": list(self.non_cache_outputs),
             "aten_family": self.aten_family,
             "layout_src": [inspect.getsource(type(c.layout)) for c in self.caches],
         }

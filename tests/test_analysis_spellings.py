@@ -13,7 +13,6 @@ import pcppass.patterns  # noqa: F401  (registers the built-in patterns)
 from pcppass.analysis import Uncovered, find_state_writes
 from pcppass.analysis.schema import bind_call
 from pcppass.analysis.trace import StepInputs, capture_graph
-from pcppass.registry import all_patterns
 from pcppass.rewrite.plan import bind_arguments, plan_sync
 
 
@@ -148,7 +147,3 @@ def test_plan_binds_arguments_with_the_finders_schema_binding():
     assert [(c.state, c.arg, c.slots.name) for c in plan.caches] == [
         ("L['caches']['kv']", "self", "l_slots_"), ("L['caches']['flat']", "self", "l_slots_")]
 
-
-def test_builtin_patterns_declare_only_what_the_rewrite_reads():
-    # the rewrite never reads per-output declarations: a re-run discards every output
-    assert all(not getattr(p, "non_cache_outputs", ()) for p in all_patterns())
