@@ -93,11 +93,25 @@ class _CollectiveBuilder:
         self.nodes.append(node)
         return node
 
-    def emit(self, sites: list[SyncSite]) -> None:
+    def emit(self, sites: list[SyncSite], *, snapshot: bool = False) -> None:
+        """Sync ``sites`` at the current insert point. With ``snapshot`` (the deferred schedule,
+        where the sync runs long after the sites), every payload the graph computed is copied
+        right after its site: a later in-place update of that tensor (``x.add_(...)``) must not
+        change what the other replicas re-run on or which slots they fill. Graph inputs are
+        state-checked by the analysis (a write to one is reported) and are sent once."""
         caches, cache_slots, layouts = [], [], []
         payloads: list[torch.fx.Node] = []
         payload_index: dict[tuple[torch.fx.Node, int], int] = {}
         copy_targets = []  # (site, cache sync, rows segment, payload key of its slots)
+        snapshots: dict[tuple[torch.fx.Node, torch.fx.Node], torch.fx.Node] = {}
+
+        def as_sent(site: SyncSite, node: torch.fx.Node) -> torch.fx.Node:
+            if not snapshot or node.op == "placeholder":
+                return node
+            if (site.node, node) not in snapshots:
+                with self.graph.inserting_after(site.node):
+                    snapshots[(site.node, node)] = self._call(torch.clone, (node,))
+            return snapshots[(site.node, node)]
 
         def payload(node: torch.fx.Node, dim: int = 0) -> tuple[torch.fx.Node, int]:
             key = (node, dim)
@@ -111,12 +125,13 @@ class _CollectiveBuilder:
         for site in sites:
             if site.recipe is Recipe.COPY_ROWS:
                 for c in site.caches:
-                    copy_targets.append((site, c, len(caches), payload(c.slots)))
+                    slots = as_sent(site, c.slots)
+                    copy_targets.append((site, c, len(caches), payload(slots)))
                     caches.append(c.cache)
-                    cache_slots.append(c.slots)
+                    cache_slots.append(slots)
                     layouts.extend(encode_layout(c.layout))
             else:
-                rerun_args.append((site, {name: payload(site.arguments[name], dim)
+                rerun_args.append((site, {name: payload(as_sent(site, site.arguments[name]), dim)
                                           for name, dim in site.row_args.items()}))
         num_segments = len(caches) + len(payloads)
 
@@ -213,7 +228,7 @@ def insert_sync(
     if plan.sites:
         if schedule == "deferred":
             with graph.inserting_before(graph.find_nodes(op="output")[0]):
-                builder.emit(plan.sites)
+                builder.emit(plan.sites, snapshot=True)
             collectives = 1
         else:
             for site in plan.sites:
