@@ -8,13 +8,20 @@ On the Dynamo graph it receives, the backend
 
 1. finds every write into persistent state (:func:`pcppass.analysis.find_state_writes`);
 2. refuses uncovered writes (:class:`~pcppass.errors.PcpCoverageError` listing all of them), or with
-   ``on_uncovered="replicate"`` compiles the graph unchanged and reports replicated decode;
+   ``on_uncovered="replicate"`` compiles the graph unchanged and reports replicated decode; a graph
+   that ends in a graph break or resumes after one counts as uncovered too (the eager code between
+   graphs may write state, and nothing would synchronise it);
 3. plans and inserts the replica sync of every covered write (:mod:`pcppass.rewrite`): the owner's
    op stays as written, the other replicas receive its rows in one collective per step
    (``schedule="deferred"``) or right after each write (``"immediate"``);
 4. checks that every rank rewrote the same graph (fingerprints through the c10d store, with a
    timeout), wraps the compiled step with input validation, and hands the graph to the inner
    compiler (Inductor, aot_eager or eager).
+
+Failures are fail-stop: a rank that fails a check its peers passed (bad inputs on that rank, a
+compile the others did not make) or whose step fails aborts the process group before raising, so
+the peers' collectives fail at once instead of waiting for the process-group timeout
+(:mod:`pcppass.runtime.failstop`).
 
 Each compile appends a :class:`CompileReport` to ``backend.reports``; a runner reads
 ``backend.replicated`` to know that decode must stay replicated.
@@ -33,9 +40,10 @@ import torch.distributed as dist
 import torch.fx
 
 from pcppass.analysis import StateWrite, find_state_writes
-from pcppass.errors import PcpCoverageError
+from pcppass.errors import PcpCoverageError, PcpSyncError
 from pcppass.rewrite.insert import Schedule, SyncRewrite, insert_sync
 from pcppass.rewrite.plan import plan_sync
+from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
 from pcppass.runtime.fingerprint import exchange_fingerprint
 from pcppass.runtime.validate import InputValidator, validating
 
@@ -64,7 +72,8 @@ class SyncChecks:
     slot_conflicts: bool = True
     #: compare fingerprints through the c10d store when compiling
     compile_fingerprint: bool = True
-    fingerprint_timeout_s: float = 300.0
+    #: a rank that compiles alone waits this long for the others, then fails (and aborts the group)
+    fingerprint_timeout_s: float = 60.0
 
 
 @dataclass
@@ -124,6 +133,9 @@ class PcpBackend:
         self.checks = checks
         self.name = name or schedule
         self.reports: list[CompileReport] = []
+        #: set by a runner that already shards decode on the strength of earlier compiles: a later
+        #: graph (a recompile) that would have to run replicated is refused with PcpSyncError
+        self.sharded_only = False
 
     def __repr__(self) -> str:
         return (f"PcpBackend(schedule={self.schedule!r}, inner={self.inner!r}, "
@@ -148,21 +160,26 @@ class PcpBackend:
         uncovered = report.uncovered
         if self.dcp_size > 1:
             report.mode, report.reason = "replicated", f"dcp_size={self.dcp_size}: the cache is sharded"
+            self._refuse_if_sharded_only(report)
             return self._compile_inner(gm, example_inputs)
         if world == 1:
             report.mode, report.reason = "single_rank", "one rank: nothing to synchronise"
             return self._compile_inner(gm, example_inputs)
-        if uncovered:
+        breaks = graph_breaks()
+        if uncovered or breaks:
             if self.on_uncovered == "raise":
-                raise PcpCoverageError(uncovered)
+                raise PcpCoverageError(uncovered, breaks)
+            reasons = [f"{w.op} -> {w.state} at {w.source}" for w in uncovered] + breaks
             if self.on_uncovered == "replicate":
                 report.mode = "replicated"
-                report.reason = f"{len(uncovered)} uncovered write(s): " + "; ".join(
-                    f"{w.op} -> {w.state} at {w.source}" for w in uncovered)
+                report.reason = (f"{len(uncovered)} uncovered write(s), {len(breaks)} graph break(s): "
+                                 + "; ".join(reasons))
+                self._refuse_if_sharded_only(report)
                 log.warning("pcppass: decode stays replicated: %s", report.reason)
                 return self._compile_inner(gm, example_inputs)
-            log.warning("pcppass: %d uncovered write(s) left unsynchronised (unsafe_ignore)",
-                        len(uncovered))
+            log.warning("pcppass: %d uncovered write(s) and %d graph break(s) left unsynchronised "
+                        "(unsafe_ignore)", len(uncovered), len(breaks))
+        rank = group_rank(group)
         plan = plan_sync([w for w in writes if w.covered])
         report.rewrite = insert_sync(
             gm, plan, schedule=self.schedule, group_name=group.group_name, world_size=world,
@@ -173,12 +190,27 @@ class PcpBackend:
                          f"collective(s) per step ({self.schedule})")
         report.all_gather_nodes = count_all_gathers(gm)
         if self.checks.compile_fingerprint:
-            exchange_fingerprint(report.rewrite.fingerprint, group, namespace=self.name,
-                                 timeout_s=self.checks.fingerprint_timeout_s)
+            try:
+                exchange_fingerprint(report.rewrite.fingerprint, group, namespace=self.name,
+                                     timeout_s=self.checks.fingerprint_timeout_s)
+            except PcpSyncError as exc:
+                # A rank that compiled alone has peers waiting in a collective of the old graph.
+                del group  # a gloo group closes its connections only once no frame holds it
+                raise_fail_stop(exc, self.group, rank, f"compiling the {self.name} graph")
         compiled = self._compile_inner(gm, example_inputs)
         if self.checks.inputs:
-            compiled = validating(compiled, InputValidator.from_plan(gm, plan))
-        return compiled
+            compiled = validating(compiled, InputValidator.from_plan(gm, plan, rank=rank))
+        return fail_stopping(compiled, self.group, rank, f"the {self.name} step")
+
+    def _refuse_if_sharded_only(self, report: CompileReport) -> None:
+        if self.sharded_only:
+            raise PcpSyncError(
+                f"pcppass: {self.name} graph #{len(self.reports) - 1} (a recompile) would run with "
+                f"decode replicated ({report.reason}), but the engine already shards decode rows on "
+                "the strength of the earlier graphs: its rows would never be synchronised. Make the "
+                "model trace the same graph at every step (same shapes and guards), so the first "
+                "compile's decision holds for the whole run."
+            )
 
     def _config_text(self) -> str:
         return f"inner={self.inner} on_uncovered={self.on_uncovered} checks={self.checks}"
@@ -191,6 +223,36 @@ class PcpBackend:
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs)
+
+
+def graph_breaks() -> list[str]:
+    """The graph break that ends the graph being compiled, and whether it resumes after one.
+
+    A step split into several graphs runs the code between them eagerly, unseen by the analysis:
+    a graph that ends in a break, or a resume function's graph, is not the whole step. Read from
+    the frame Dynamo is translating; this is Dynamo internals (checked on torch 2.13), so anything
+    unexpected disables the check with a debug log instead of failing the compile.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        reason = tx.output.compile_subgraph_reason
+        code_name = tx.f_code.co_name
+        found = []
+        if reason is not None and reason.graph_break:
+            where = ""
+            if reason.user_stack:
+                frame = reason.user_stack[-1]
+                where = f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+            found.append(f"graph break{where}: {reason.reason.strip().splitlines()[0]}")
+        if code_name.startswith("torch_dynamo_resume_in_"):
+            found.append(f"graph resumes after a graph break ({code_name}): the code before it ran "
+                         "eagerly")
+        return found
+    except Exception as exc:  # other torch versions: no detection rather than a failed compile
+        log.debug("pcppass: graph-break detection unavailable: %r", exc)
+        return []
 
 
 def count_all_gathers(gm: torch.fx.GraphModule) -> int:

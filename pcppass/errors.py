@@ -23,20 +23,34 @@ class PcpCoverageError(PcpError):
     uncovered :class:`~pcppass.analysis.records.StateWrite` (all of them, not just the first).
     """
 
-    def __init__(self, writes: Sequence["StateWrite"]):
+    def __init__(self, writes: Sequence["StateWrite"], graph_breaks: Sequence[str] = ()):
         self.writes = list(writes)
-        lines = [
-            f"{len(self.writes)} write(s) into persistent state are not covered by any pattern; "
-            "decode sharding would leave replicas divergent:"
-        ]
+        #: descriptions of graph breaks around the graph (eager code between graphs runs unsynced)
+        self.graph_breaks = list(graph_breaks)
+        lines = []
+        if self.writes:
+            lines.append(
+                f"{len(self.writes)} write(s) into persistent state are not covered by any pattern; "
+                "decode sharding would leave replicas divergent:"
+            )
         for w in self.writes:
             why = w.reason.value if w.reason is not None else "no pattern"
             detail = f" ({w.detail})" if w.detail else ""
             lines.append(f"  - {w.op} writes {w.state} at {w.source}: {why}{detail}")
-        lines.append(
-            "Register a WritePattern for the op (pcppass.register_pattern), or compile with "
-            "PcpBackend(on_uncovered='replicate') to keep decode replicated."
-        )
+        if self.graph_breaks:
+            lines.append(
+                "the step is split into several graphs: code between them runs eagerly, outside "
+                "any graph, so no write it makes into state is seen or synchronised:"
+            )
+            lines.extend(f"  - {b}" for b in self.graph_breaks)
+        fixes = []
+        if self.writes:
+            fixes.append("register a WritePattern for the op (pcppass.register_pattern)")
+        if self.graph_breaks:
+            fixes.append("remove the graph break (torch.compile(..., fullgraph=True) points at it)")
+        fix = " or ".join(fixes)
+        lines.append(f"{fix[0].upper()}{fix[1:]}, or compile with PcpBackend(on_uncovered='replicate') "
+                     "to keep decode replicated.")
         super().__init__("\n".join(lines))
 
 

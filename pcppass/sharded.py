@@ -8,7 +8,20 @@
   ranks in the same step): the immediate schedule, a sync right after each write site.
 
 It records, per step, the sync collectives the graph actually issued and their bytes
-(:attr:`ShardedRunner.step_syncs`). :func:`sharded_engine` builds an engine around it and, when the
+(:attr:`ShardedRunner.step_syncs`), and while it shards decode it checks after every step what
+the graphs cannot show:
+
+* a recompile (a guard failed) whose graph would run replicated, while the engine already
+  shards decode rows: refused with :class:`~pcppass.errors.PcpSyncError` (the backend refuses to
+  compile it, and the runner checks every new compile report);
+* state rebound outside the graph (``caches["a"] = caches["a"].index_copy(...)``,
+  ``self.buf = new_tensor``): Dynamo replays such stores after the graph, so no sync sees them;
+  every cache tensor of the dict and every model buffer must still be the same tensor (object and
+  data pointer) after the step, else :class:`~pcppass.errors.PcpSyncError` names the state.
+
+Any failure of a step but a coverage refusal (which every rank makes alike) aborts the process
+group before it is raised, so the other ranks fail at once instead of waiting in a collective
+(:mod:`pcppass.runtime.failstop`). :func:`sharded_engine` builds an engine around it and, when the
 backend had to keep decode replicated (uncovered writes with ``on_uncovered="replicate"``, or
 ``dcp_size > 1``), an engine that runs decode replicated and prefill unpartitioned instead.
 """
@@ -16,7 +29,7 @@ backend had to keep decode replicated (uncovered writes with ``on_uncovered="rep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,8 +38,9 @@ from pcppass.backend import Inner, OnUncovered, PcpBackend, SyncChecks
 from pcppass.engine.layout import LayoutPlan, Policy, build_local_step
 from pcppass.engine.runner import Engine
 from pcppass.engine.scheduler import GlobalStep
-from pcppass.errors import PcpError
+from pcppass.errors import PcpError, PcpSyncError
 from pcppass.rewrite.insert import Schedule
+from pcppass.runtime.failstop import group_rank, raise_fail_stop
 from pcppass.runtime.stats import SYNC_COUNTERS
 
 #: rows of the all-padding step that compiles both graphs before the first real step
@@ -42,6 +56,10 @@ class StepSync:
     collectives: int
     bytes_sent: int
     bytes_gathered: int
+
+
+#: name -> (tensor, data pointer) of every piece of state the step must update in place
+StateIdentity = dict[str, tuple[torch.Tensor | None, int | None]]
 
 
 class ShardedRunner:
@@ -71,6 +89,15 @@ class ShardedRunner:
             "mixed": torch.compile(model, backend=self.mixed_backend, fullgraph=True),
         }
         self.step_syncs: list[StepSync] = []
+        self.group = group
+        # (qualified name, owning module, attribute) of every buffer: rebinding replaces the entry
+        self._buffer_slots = [
+            (f"{prefix}.{attr}" if prefix else attr, module, attr)
+            for prefix, module in model.named_modules() for attr in module._buffers
+        ]
+        self._reports_seen = {kind: 0 for kind in self._graphs}
+        #: set by :meth:`warmup` once the engine shards decode on the strength of its compiles
+        self.sharding = False
 
     @property
     def replicated(self) -> bool:
@@ -88,19 +115,80 @@ class ShardedRunner:
         # count in dim 0 (the engine pads requests to rows and never hands out fewer than 2).
         for t in (input_ids, positions, *meta.values()):
             torch._dynamo.maybe_mark_dynamic(t, 0)
+        world = self._world()
         SYNC_COUNTERS.take()
+        before = self._state_identity(caches) if world > 1 else None
         try:
-            hidden = self._graphs[step_kind](input_ids, positions, meta, caches)
+            hidden = self._run(self._graphs[step_kind], input_ids, positions, meta, caches)
+            if before is not None:
+                self._check_new_reports(step_kind)
+                if not self.replicated:
+                    self._check_state_identity(before, self._state_identity(caches), step_kind,
+                                               group_rank(self.group))
+        except BaseException as exc:
+            if world <= 1:
+                raise
+            raise_fail_stop(exc, self.group, group_rank(self.group), f"the {step_kind} step")
+        counts = SYNC_COUNTERS.take()
+        self.step_syncs.append(StepSync(step_kind, int(input_ids.shape[0]), counts.collectives,
+                                        counts.bytes_sent, counts.bytes_gathered))
+        return hidden
+
+    @staticmethod
+    def _run(graph: Callable, *args: Any) -> torch.Tensor:
+        try:
+            return graph(*args)
         except torch._dynamo.exc.BackendCompilerFailed as exc:
             # Surface pcppass's own refusal (coverage, fingerprints) rather than Dynamo's wrapper.
             inner = getattr(exc, "inner_exception", None) or exc.__cause__
             if isinstance(inner, PcpError):
                 raise inner from None
             raise
-        counts = SYNC_COUNTERS.take()
-        self.step_syncs.append(StepSync(step_kind, int(input_ids.shape[0]), counts.collectives,
-                                        counts.bytes_sent, counts.bytes_gathered))
-        return hidden
+
+    def _world(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.group)
+
+    def _check_new_reports(self, step_kind: str) -> None:
+        """Once decode is sharded, every later compile must be sharded too (cheap: only when the
+        backend compiled something during this step)."""
+        backend = self.backends[step_kind]
+        seen, self._reports_seen[step_kind] = self._reports_seen[step_kind], len(backend.reports)
+        if not self.sharding:
+            return
+        for index, report in enumerate(backend.reports[seen:], start=seen):
+            if report.mode != "sharded":
+                raise PcpSyncError(
+                    f"pcppass: {step_kind} graph #{index} (a recompile after warm-up) runs "
+                    f"{report.mode} ({report.reason}) while the engine shards decode rows: the "
+                    "rows of this step are not synchronised. Make the model trace one graph for "
+                    "every step (same guards), or keep decode replicated from the start."
+                )
+
+    def _state_identity(self, caches: dict[str, torch.Tensor]) -> StateIdentity:
+        state: StateIdentity = {f"caches[{name!r}]": (t, t.data_ptr()) for name, t in caches.items()}
+        for name, module, attr in self._buffer_slots:
+            t = module._buffers.get(attr)
+            state[f"buffer {name}"] = (t, t.data_ptr() if t is not None else None)
+        return state
+
+    @staticmethod
+    def _check_state_identity(before: StateIdentity, after: StateIdentity, step_kind: str,
+                              rank: int | None) -> None:
+        changed = sorted(
+            name for name in before.keys() | after.keys()
+            if name not in before or name not in after
+            or before[name][0] is not after[name][0] or before[name][1] != after[name][1]
+        )
+        if changed:
+            raise PcpSyncError(
+                f"pcppass: rank {rank}: the {step_kind} step replaced state instead of writing it in "
+                f"place: {', '.join(changed)}. Code such as `caches[name] = caches[name].index_copy(...)` "
+                "or `self.buf = new_tensor` is replayed by Dynamo after the graph, where no replica "
+                "sync sees it, so each rank now holds its own version. Write the state in place "
+                "inside the graph (cache.index_copy_(...), a pcppass:: cache-write op)."
+            )
 
     def warmup(self, engine: Engine) -> bool:
         """Compile both graphs on an all-padding step over scratch caches; True if sharded.
@@ -117,7 +205,10 @@ class ShardedRunner:
         for kind in ("decode", "mixed"):
             self(local.input_ids, local.positions, local.meta, scratch, kind)
         self.step_syncs.clear()
-        return not self.replicated
+        self.sharding = not self.replicated
+        for backend in self.backends.values():
+            backend.sharded_only = self.sharding
+        return self.sharding
 
 
 def sharded_engine(

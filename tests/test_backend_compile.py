@@ -157,7 +157,8 @@ def _mismatched(rank: int, world: int, compile_check: bool) -> str:
     except PcpSyncError as exc:
         return f"run: {exc}"
     finally:
-        dist.barrier()
+        if dist.is_initialized():  # a sync failure aborts the group (fail-stop)
+            dist.barrier()
     return "no error"
 
 

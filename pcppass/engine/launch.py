@@ -50,7 +50,8 @@ def _worker(rank, world, port, backend, timeout_s, fn, args, results) -> None:
         try:
             results.put((rank, True, fn(rank, world, *args)))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a failure may have aborted the group already (fail-stop)
+                dist.destroy_process_group()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
@@ -126,7 +127,8 @@ def run_from_env(
     try:
         result = fn(rank, world, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if result_dir is not None:
         Path(result_dir).mkdir(parents=True, exist_ok=True)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")

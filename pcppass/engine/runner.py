@@ -40,6 +40,7 @@ from pcppass.engine.layout import (
 )
 from pcppass.engine.scheduler import GlobalStep, Scheduler, SchedulerConfig
 from pcppass.engine.workload import RequestSpec
+from pcppass.runtime.failstop import raise_fail_stop
 
 Runner = Callable[
     [torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], str], torch.Tensor
@@ -265,7 +266,10 @@ class Engine:
     def _sample(self, step: GlobalStep, plan: LayoutPlan, hidden: torch.Tensor) -> dict[int, list[int]]:
         if self.world > 1:
             gathered = hidden.new_empty((self.world * hidden.shape[0], *hidden.shape[1:]))
-            dist.all_gather_into_tensor(gathered, hidden.contiguous(), group=self.group)
+            try:
+                dist.all_gather_into_tensor(gathered, hidden.contiguous(), group=self.group)
+            except Exception as exc:  # typically: a peer failed its step and aborted the group
+                raise_fail_stop(exc, self.group, self.rank, "the engine's all-gather of hidden rows")
         else:
             gathered = hidden
         offsets = step.row_offsets()
@@ -289,5 +293,10 @@ class Engine:
 
     # -- verification --------------------------------------------------------------------------
     def cache_digests(self) -> dict[str, str]:
-        """sha256 of every cache tensor's bytes, by cache name."""
-        return {name: tensor_digest(t) for name, t in self.caches.items()}
+        """sha256 of every piece of state's bytes: each cache by name, each model buffer as
+        ``buffer:<qualified name>`` (a model may keep state in buffers too: counters, running
+        statistics; replicas must agree on those as well)."""
+        digests = {name: tensor_digest(t) for name, t in self.caches.items()}
+        for name, buffer in self.model.named_buffers():
+            digests[f"buffer:{name}"] = tensor_digest(buffer)
+        return digests

@@ -28,7 +28,7 @@ def _store() -> dist.Store:
 
 
 def exchange_fingerprint(
-    fingerprint: str, group: dist.ProcessGroup, *, namespace: str = "graph", timeout_s: float = 300.0
+    fingerprint: str, group: dist.ProcessGroup, *, namespace: str = "graph", timeout_s: float = 60.0
 ) -> None:
     """Publish ``fingerprint`` for this rank's next compile and check every rank's matches.
 
@@ -41,6 +41,9 @@ def exchange_fingerprint(
     with _lock:
         ordinal = next(_ordinals.setdefault(key, itertools.count()))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    # Raised errors keep this frame alive: it must not keep the group alive too (a gloo group
+    # aborted after a failure here closes its connections only once nothing holds it).
+    del group
     prefix = f"pcppass/fingerprint/{group_name}/{namespace}/{ordinal}/"
     store.set(prefix + str(rank), fingerprint)
     keys = [prefix + str(r) for r in range(world)]

@@ -2,8 +2,14 @@
 
 Slot mappings that arrive as graph inputs are checked on every call: int64, one slot per row of
 the op that consumes them, every slot in ``[-1, num_slots)`` of the cache it addresses. A bad
-mapping raises :class:`~pcppass.errors.PcpInputError` naming the op, the cache and the source line;
-the graph has not run, so every cache is untouched.
+mapping raises :class:`~pcppass.errors.PcpInputError` naming the rank, the op, the cache and the
+source line; the graph has not run, so every cache is untouched.
+
+Slot -1 means "skip this row" only for ops that implement it (every ``pcppass::`` cache write, as
+vLLM's kernels). An aten in-place write (``cache.view(-1, ...)[slots] = x``, ``index_put_``,
+``index_copy_``) follows Python indexing: -1 is the LAST row. The engine pads with -1 and the
+replica sync skips -1 rows, so each rank would write its padding into the last row and no sync
+would reconcile it: for those sites any negative slot is refused.
 
 Row counts and cache sizes may be symbolic (dynamic shapes); they are evaluated per call from the
 graph's inputs (SymInt inputs, or the input tensor dims the symbols were taken from).
@@ -42,6 +48,12 @@ class SlotInputCheck:
     source: str
     rows: Any  # int, sympy expression, or None (no row argument to compare with)
     num_slots: Any  # int or sympy expression
+    #: aten in-place family of the write (Python indexing: -1 is the last row); None: -1 skips
+    aten_family: str | None = None
+
+    @property
+    def lowest_slot(self) -> int:
+        return 0 if self.aten_family else -1
 
 
 class _Symbols:
@@ -75,12 +87,13 @@ class _Symbols:
 class InputValidator:
     """Checks the slot-mapping inputs of one rewritten graph (see the module docstring)."""
 
-    def __init__(self, checks: list[SlotInputCheck], symbols: _Symbols):
+    def __init__(self, checks: list[SlotInputCheck], symbols: _Symbols, rank: int | None = None):
         self.checks = checks
         self.symbols = symbols
+        self.rank = rank
 
     @classmethod
-    def from_plan(cls, gm: torch.fx.GraphModule, plan: SyncPlan) -> "InputValidator":
+    def from_plan(cls, gm: torch.fx.GraphModule, plan: SyncPlan, rank: int | None = None) -> "InputValidator":
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         index = {node: i for i, node in enumerate(placeholders)}
         checks: dict[tuple[int, str], SlotInputCheck] = {}
@@ -89,16 +102,21 @@ class InputValidator:
             for c in site.caches:
                 if c.slots not in index:
                     continue  # computed in the graph, not an input
-                cache = _fake(c.cache)
-                checks.setdefault((index[c.slots], c.state), SlotInputCheck(
-                    index[c.slots], c.slots.name, site.op, c.state, site.source, rows,
-                    _num_slots_expr(cache, c.layout)))
-        return cls(list(checks.values()), _Symbols(placeholders))
+                check = SlotInputCheck(index[c.slots], c.slots.name, site.op, c.state, site.source,
+                                       rows, _num_slots_expr(_fake(c.cache), c.layout),
+                                       site.pattern.aten_family)
+                key = (index[c.slots], c.state)
+                # one mapping feeding a skipping op and an aten write: the aten rule is stricter
+                if key not in checks or (check.aten_family and not checks[key].aten_family):
+                    checks[key] = check
+        return cls(list(checks.values()), _Symbols(placeholders), rank)
 
     def __call__(self, args: Sequence[Any]) -> None:
         for check in self.checks:
             slots = args[check.input_index]
-            where = f"{check.op} writing {check.state} ({check.source}): slot mapping {check.input_name}"
+            rank = f"rank {self.rank}: " if self.rank is not None else ""
+            where = (f"{rank}{check.op} writing {check.state} ({check.source}): slot mapping "
+                     f"{check.input_name}")
             if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64:
                 got = slots.dtype if isinstance(slots, torch.Tensor) else type(slots).__name__
                 raise PcpInputError(f"{where} must be an int64 tensor, got {got}")
@@ -109,6 +127,14 @@ class InputValidator:
             if slots.numel() == 0 or limit is None:
                 continue
             low, high = int(slots.min()), int(slots.max())
+            if check.aten_family and low < 0:
+                raise PcpInputError(
+                    f"{where} holds slot {low}: {check.aten_family} follows Python indexing, so a "
+                    f"padding row (slot -1) would write the LAST row of {check.state} with this "
+                    "rank's padding data, which the replica sync (it skips slot -1) never reconciles. "
+                    "Mask padding rows in the model (write only rows whose slot is >= 0) or write "
+                    "through an op that skips slot -1 (e.g. pcppass::reshape_and_cache_flash)."
+                )
             if low < -1 or high >= limit:
                 bad = low if low < -1 else high
                 raise PcpInputError(f"{where} holds slot {bad}, outside [-1, {limit}) of the cache")

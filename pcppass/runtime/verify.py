@@ -32,6 +32,8 @@ class RunConfig:
     inner: str = "eager"
     device: str = "cpu"
     on_uncovered: str = "raise"
+    #: decode context parallel size: > 1 shards the cache itself, so decode stays replicated
+    dcp_size: int = 1
     #: patterns removed before compiling (negative controls)
     unregister: tuple[str, ...] = ()
     num_requests: int = 10
@@ -137,7 +139,7 @@ def rank_main(rank: int, world: int, cfg: RunConfig) -> RunResult:
         unregister_pattern(name)
     model = build(cfg)
     runner = ShardedRunner(model, inner=cfg.inner, decode_schedule=cfg.schedule,
-                           on_uncovered=cfg.on_uncovered)
+                           on_uncovered=cfg.on_uncovered, dcp_size=cfg.dcp_size)
     engine = sharded_engine(model, runner, world=world, rank=rank, policy=cfg.policy,
                             device=cfg.device, **_engine_config(cfg))
 
@@ -165,9 +167,12 @@ class Verification:
     unfinished: int
     token_mismatches: list[int] = field(default_factory=list)
 
+    #: steps each rank ran; ranks that ran different numbers of steps are out of step
+    step_counts: list[int] = field(default_factory=list)
+
     @property
     def ok(self) -> bool:
-        return self.tokens_equal and not self.divergent
+        return self.tokens_equal and not self.divergent and len(set(self.step_counts)) <= 1
 
     def first_divergence(self) -> str | None:
         if not self.divergent:
@@ -176,14 +181,27 @@ class Verification:
         return f"step {step}: state {name} differs across ranks ({', '.join(digests)})"
 
 
+#: the pseudo state a divergence entry names when ranks ran different numbers of steps
+STEP_COUNT = "(steps run)"
+
+
 def compare(reference: RunResult, ranks: list[RunResult]) -> Verification:
+    """Every state equal on every rank after every step, every rank's tokens equal the reference's.
+
+    Ranks that report different numbers of steps fail the verification (a divergence entry named
+    :data:`STEP_COUNT` at the first step some rank lacks) instead of being compared on the steps
+    they share. A state tensor missing on some rank at a step counts as divergent too.
+    """
     divergent = []
-    steps = min(len(r.digests) for r in ranks)
+    counts = [len(r.digests) for r in ranks]
+    steps = min(counts)
     for i in range(steps):
-        for name in sorted(ranks[0].digests[i]):
-            values = [r.digests[i][name] for r in ranks]
+        for name in sorted(set().union(*(r.digests[i] for r in ranks))):
+            values = [r.digests[i].get(name, "missing") for r in ranks]
             if len(set(values)) > 1:
                 divergent.append((i, name, [v[:8] for v in values]))
+    if len(set(counts)) > 1:
+        divergent.append((steps, STEP_COUNT, [f"rank {r}: {n} steps" for r, n in enumerate(counts)]))
     mismatches = sorted(
         req for r in ranks for req in set(reference.outputs) | set(r.outputs)
         if reference.outputs.get(req) != r.outputs.get(req)
@@ -195,5 +213,5 @@ def compare(reference: RunResult, ranks: list[RunResult]) -> Verification:
         for i in range(steps)
     ]
     return Verification(steps, not mismatches, divergent, per_step, ranks[0].mode,
-                        max(r.unfinished for r in ranks), sorted(set(mismatches)))
+                        max(r.unfinished for r in ranks), sorted(set(mismatches)), counts)
 

@@ -1,0 +1,123 @@
+"""Fail-stop: a rank that fails during a sharded step stops its process group.
+
+Every rank of a sharded step meets the others in collectives (the sync all-gather, the engine's
+hidden all-gather). A rank that raises before reaching one (bad inputs on that rank only, a
+compile the others did not make) would leave its peers waiting there until the process-group
+timeout (minutes). Aborting the group instead makes the peers' pending and next collectives fail
+at once ("connection closed by peer" on gloo, an aborted communicator on NCCL); their own error
+then says that a peer stopped, and the failing rank's error names the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from typing import Any, Callable, NoReturn
+
+import torch.distributed as dist
+
+from pcppass.errors import PcpCoverageError, PcpError, PcpSyncError
+
+log = logging.getLogger(__name__)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int | None:
+    """This process's rank in ``group`` (None once the group is gone)."""
+    try:
+        return dist.get_rank(group) if dist.is_initialized() else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def abort_group(group: dist.ProcessGroup | None) -> bool:
+    """Abort ``group`` (None: the world group and every subgroup) so peers stop waiting on it.
+
+    NCCL aborts its communicators; a gloo group closes its connections when the group object is
+    destroyed, which is why callers pass the group they were configured with (None for the world
+    group) rather than keep a resolved world group alive. Idempotent: a group that is gone
+    already is left alone. Returns True if this call aborted it.
+    """
+    if not dist.is_initialized():
+        return False
+    from torch.distributed import distributed_c10d as c10d
+
+    if group is not None and c10d._world.pg_map.get(group) is None:
+        return False  # destroyed or aborted already
+    if group is not None and group is c10d.GroupMember.WORLD:
+        group = None
+    aborted = group if group is not None else c10d.GroupMember.WORLD
+    abort = getattr(c10d, "_abort_process_group", None)
+    try:
+        if abort is not None:
+            abort(group)
+        else:
+            dist.destroy_process_group(group)
+    except Exception as exc:  # aborting a broken group may fail too; it is unusable either way
+        log.debug("pcppass: aborting the process group raised %r", exc)
+    _drop_import_time_references(aborted)
+    return True
+
+
+def _drop_import_time_references(group: dist.ProcessGroup) -> None:
+    """Let the aborted ``group`` be destroyed (a gloo group closes its connections only then).
+
+    ``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as default arguments when it
+    is imported (torch._dynamo imports it); imported after ``init_process_group``, those defaults
+    keep the world group alive forever. Reset them to None, their value when the module is
+    imported before a group exists (None means the default group).
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(module).values() if module is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if isinstance(fn, types.FunctionType) and defaults and any(d is group for d in defaults):
+            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
+
+
+def stop_error(exc: BaseException, group: dist.ProcessGroup | None, rank: int | None,
+               what: str) -> BaseException:
+    """Abort ``group`` after ``exc`` on this rank and return the error to raise.
+
+    A :class:`PcpCoverageError` is a compile-time decision every rank makes alike on the same
+    graph: the group stays usable and the error is returned as it is. Any other
+    :class:`PcpError` already names its cause and is returned as it is, after the abort. Anything
+    else (typically the collective that a peer's abort broke) becomes a :class:`PcpSyncError`
+    that says which rank saw it and during what.
+    """
+    if isinstance(exc, PcpCoverageError):
+        return exc
+    abort_group(group)
+    if isinstance(exc, PcpError) or not isinstance(exc, Exception):
+        return exc
+    who = f"rank {rank}" if rank is not None else "this rank"
+    text = str(exc).strip()
+    first_line = text.splitlines()[0] if text else type(exc).__name__
+    return PcpSyncError(
+        f"pcppass: {who}: {what} failed ({type(exc).__name__}: {first_line}). If another rank "
+        "failed first, its own error names the cause (bad inputs on that rank, a compile on that "
+        "rank only) and its abort of the process group is what broke this rank's collective. The "
+        "process group is aborted here too, so every rank stops instead of waiting for the "
+        "collective timeout."
+    )
+
+
+def raise_fail_stop(exc: BaseException, group: dist.ProcessGroup | None, rank: int | None,
+                    what: str) -> NoReturn:
+    """Raise :func:`stop_error` of ``exc`` (call from an ``except`` block handling ``exc``)."""
+    error = stop_error(exc, group, rank, what)
+    if error is exc:
+        raise exc
+    raise error from exc
+
+
+def fail_stopping(step: Callable, group: dist.ProcessGroup | None, rank: int | None,
+                  what: str) -> Callable:
+    """``step`` with fail-stop: any error it raises aborts ``group`` first (see :func:`stop_error`)."""
+
+    def run(*args: Any) -> Any:
+        try:
+            return step(*args)
+        except BaseException as exc:
+            raise_fail_stop(exc, group, rank, what)
+
+    return run
