@@ -59,4 +59,6 @@ class PcpInputError(PcpError, ValueError):
 
 
 class PcpSyncError(PcpError):
-    """Replica synchronisation found ranks out of step (different graphs, conflicting owners)."""
+    """Replicas are or would be out of step: ranks compiled different graphs or not the same
+    graphs, two ranks own one slot, state was rebound outside the graph, a recompile would run
+    unsynchronised, or a peer rank stopped (its abort broke this rank's collective)."""

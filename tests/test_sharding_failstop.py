@@ -29,7 +29,6 @@ from torch import nn
 import pcppass.kernels  # noqa: F401
 from pcppass.backend import PcpBackend, SyncChecks
 from pcppass.engine.launch import free_port, launch
-from pcppass.errors import PcpCoverageError, PcpInputError, PcpSyncError
 from pcppass.runtime import fingerprint
 from pcppass.runtime.verify import STEP_COUNT, RunConfig, RunResult, compare, rank_main, reference_run
 
