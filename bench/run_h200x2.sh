@@ -20,3 +20,12 @@ python3 -m pytest tests/test_row_kernels_cuda.py tests/test_kernels_cuda.py -q -
 timeout 400 python3 -m pcppass bench --model llama --layers 2 --world 2 --rows-per-rank 8 --context 4096 \
   --variants replicated,deferred,nosync --cuda-graph --sync-microbench --micro-rows 8,32,128 --out "$OUT" \
   --tag h200x2_sync_batched --timeout 390
+# 5. (nvidia-h200-x2) GPU tests, the engine end to end on NCCL, and deepseek_v32 steps under CUDA graphs
+python3 -m pytest tests/test_analysis_triton_cuda.py tests/test_row_kernels_cuda.py tests/test_kernels_cuda.py -q -p no:cacheprovider
+timeout 280 python3 -m pcppass run --model deepseek_v32 --world 2 --steps 24 --device cuda --inner inductor
+timeout 230 python3 -m pcppass bench --model deepseek_v32 --layers 2 --world 2 --rows-per-rank 8,32 --context 32768 \
+  --variants replicated,deferred,nosync --cuda-graph --out "$OUT" --tag h200x2_v32_cudagraph --timeout 220
+# 6. (nvidia-h200-x4) P = 4: both models under CUDA graphs, and the 61-layer sync microbenchmark
+timeout 470 python3 -m pcppass bench --model llama,deepseek_v32 --layers 2 --world 4 --rows-per-rank 8,32 --context 32768 \
+  --variants replicated,immediate,deferred,nosync --cuda-graph --sync-microbench --micro-rows 8,32,128 \
+  --out "$OUT" --tag h200x4_p4 --timeout 460
