@@ -17,6 +17,17 @@ from pathlib import Path
 import torch
 
 
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A fresh GraphModule over a node-for-node copy of ``gm``'s graph (meta included)."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    for old, new in env.items():
+        new.meta = dict(old.meta)
+    return torch.fx.GraphModule(gm, graph)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=61)
@@ -27,6 +38,8 @@ def main() -> None:
     import triton
 
     from pcppass.analysis import find_state_writes
+    from pcppass.rewrite.insert import insert_sync
+    from pcppass.rewrite.plan import plan_sync
     from pcppass.analysis.trace import capture_graph, load_target
 
     rows = []
@@ -41,10 +54,20 @@ def main() -> None:
             s = time.perf_counter()
             writes = find_state_writes(gm)
             best = min(best, time.perf_counter() - s)
+        # The rewrite the backend applies next (plan + sync insertion, deferred schedule), on a
+        # copy of the graph: group name and world size are only baked into the inserted nodes.
+        rewrite_best = float("inf")
+        for _ in range(args.repeats):
+            copy = copy_graph_module(gm)
+            s = time.perf_counter()
+            plan = plan_sync([w for w in find_state_writes(copy) if w.covered])
+            insert_sync(copy, plan, schedule="deferred", group_name="0", world_size=2)
+            rewrite_best = min(rewrite_best, time.perf_counter() - s)
         rows.append({
             "model": name, "layers": args.layers, "graph_nodes": len(gm.graph.nodes),
             "writes": len(writes), "covered": sum(w.covered for w in writes),
             "build_s": round(t1 - t0, 3), "trace_s": round(t2 - t1, 3), "analysis_s": round(best, 3),
+            "analysis_and_rewrite_s": round(rewrite_best, 3),
             "audit_s": round(t2 - t1 + best, 3),
         })
         print(rows[-1])
@@ -65,18 +88,19 @@ def main() -> None:
         "",
         f"{result['device']}; torch {result['torch']}, triton {result['triton']}; {result['date']}.",
         "Trace = Dynamo capture (fullgraph, dynamic row count, meta device); analysis = "
-        "`find_state_writes` incl. classification (best of "
-        f"{args.repeats}). Target: audit <= 10 s.",
+        "`find_state_writes` incl. classification; analysis + rewrite = what the backend does to "
+        "the graph it receives (find, plan, insert the deferred sync), best of "
+        f"{args.repeats}. Target: audit/rewrite <= 10 s.",
         "",
-        "The analysis meets the target; the Dynamo capture does not. It is torch.compile's own "
-        "trace of the model, which any compile with this backend pays anyway.",
+        "pcppass's own work (analysis, rewrite) meets the target; the Dynamo capture does not. It is "
+        "torch.compile's own trace of the model, which any compile of it pays with or without pcppass.",
         "",
-        "| model | layers | graph nodes | writes (covered) | trace s | analysis s | audit s |",
-        "|---|---|---|---|---|---|---|",
+        "| model | layers | graph nodes | writes (covered) | trace s | analysis s | analysis + rewrite s | audit s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['model']} | {r['layers']} | {r['graph_nodes']} | {r['writes']} ({r['covered']}) "
-                     f"| {r['trace_s']} | {r['analysis_s']} | {r['audit_s']} |")
+                     f"| {r['trace_s']} | {r['analysis_s']} | {r['analysis_and_rewrite_s']} | {r['audit_s']} |")
     (out / "audit_time.md").write_text("\n".join(lines) + "\n")
 
 
