@@ -173,6 +173,22 @@ def _rows_segment_sizes(slots: list[torch.Tensor], layouts: list[ResolvedLayout]
     return [s.numel() * lay.bytes_per_row for s, lay in zip(slots, layouts)]
 
 
+def decode_pack_layouts(caches: list[torch.Tensor], cache_slots: list[torch.Tensor],
+                        layouts: list[int]) -> list[ResolvedLayout]:
+    """The resolved layouts of a ``sync_pack`` call, one per cache (checked to line up)."""
+    decoded = decode_layouts(layouts)
+    if not (len(caches) == len(cache_slots) == len(decoded)):
+        raise ValueError("sync_pack: caches, cache_slots and layouts differ in length")
+    return decoded
+
+
+def payload_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A payload tensor's raw bytes, flat (rows first, as the rewrite hands them over)."""
+    if not t.numel():
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
 @torch.library.custom_op("pcppass::sync_pack", mutates_args=())
 def sync_pack(
     fingerprint: str,
@@ -182,9 +198,7 @@ def sync_pack(
     payloads: list[torch.Tensor],
 ) -> torch.Tensor:
     """One rank's sync buffer: header, the rows each cache holds at its slots, raw payloads."""
-    decoded = decode_layouts(layouts)
-    if not (len(caches) == len(cache_slots) == len(decoded)):
-        raise ValueError("sync_pack: caches, cache_slots and layouts differ in length")
+    decoded = decode_pack_layouts(caches, cache_slots, layouts)
     anchor = caches[0] if caches else payloads[0]
     segments: list[torch.Tensor] = []
     for cache, slots, layout in zip(caches, cache_slots, decoded):
@@ -194,9 +208,7 @@ def sync_pack(
         if bool(valid.any()):
             rows[valid] = read_rows(cache, slots[valid], layout)
         segments.append(rows.reshape(-1))
-    for t in payloads:
-        segments.append(t.contiguous().view(torch.uint8).reshape(-1) if t.numel() else
-                        torch.empty(0, dtype=torch.uint8, device=t.device))
+    segments.extend(payload_bytes(t) for t in payloads)
     head = _encode_header(fingerprint, [s.numel() for s in segments], anchor.device)
     return torch.cat([head, *segments])
 

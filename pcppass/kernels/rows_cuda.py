@@ -41,8 +41,10 @@ from pcppass.kernels.rows import (
     _encode_header,
     _group_rank,
     decode_layouts,
+    decode_pack_layouts,
     encode_layout,
     header_bytes,
+    payload_bytes,
     read_rows,
     write_rows,
 )
@@ -89,15 +91,11 @@ def pack(
     payloads: list[torch.Tensor],
 ) -> torch.Tensor:
     """``sync_pack`` without host reads (same bytes as :func:`pcppass.kernels.rows.sync_pack`)."""
-    decoded = decode_layouts(layouts)
-    if not (len(caches) == len(cache_slots) == len(decoded)):
-        raise ValueError("sync_pack: caches, cache_slots and layouts differ in length")
+    decoded = decode_pack_layouts(caches, cache_slots, layouts)
     anchor = caches[0] if caches else payloads[0]
     segments = [_padded_rows(c, s.reshape(-1), lay).reshape(-1)
                 for c, s, lay in zip(caches, cache_slots, decoded)]
-    for t in payloads:
-        segments.append(t.contiguous().view(torch.uint8).reshape(-1) if t.numel() else
-                        torch.empty(0, dtype=torch.uint8, device=t.device))
+    segments.extend(payload_bytes(t) for t in payloads)
     sizes = [s.numel() for s in segments]
     total = header_bytes(len(sizes)) + sum(sizes)
     _PACKED_SIZES.setdefault((fingerprint, len(sizes), total), set()).add(tuple(sizes))
@@ -223,9 +221,7 @@ def pack_batched(
 ) -> torch.Tensor:
     """``sync_pack`` with every cache's rows read by ONE kernel launch (same bytes as
     :func:`pack`); caches the kernel cannot address go through :func:`pack`."""
-    decoded = decode_layouts(layouts)
-    if not (len(caches) == len(cache_slots) == len(decoded)):
-        raise ValueError("sync_pack: caches, cache_slots and layouts differ in length")
+    decoded = decode_pack_layouts(caches, cache_slots, layouts)
     addressings = [row_kernels.addressing(c, lay) for c, lay in zip(caches, decoded)]
     if not caches or any(a is None for a in addressings) or any(c.device != caches[0].device for c in caches):
         return pack(fingerprint, caches, cache_slots, layouts, payloads)
@@ -241,9 +237,9 @@ def pack_batched(
             total_slots += s.numel()
         starts.append(first_row[id(s)])
         counts.append(s.numel())
-    payload_bytes = [t.contiguous().view(torch.uint8).reshape(-1) if t.numel() else None for t in payloads]
+    payload_rows = [payload_bytes(t) for t in payloads]
     sizes = [n * lay.bytes_per_row for n, lay in zip(counts, decoded)]
-    sizes += [0 if b is None else b.numel() for b in payload_bytes]
+    sizes += [b.numel() for b in payload_rows]
     head = _cached_header(fingerprint, sizes, device)
     offsets, offset = [], head.numel()
     for size in sizes:
@@ -256,8 +252,8 @@ def pack_batched(
     key = (row_kernels.cache_key(caches), tuple(layouts), tuple(counts), tuple(starts))
     row_kernels.pack_rows(out, caches, addressings, slots.contiguous(), starts, counts,
                           offsets[:len(caches)], key)
-    for b, o in zip(payload_bytes, offsets[len(caches):]):
-        if b is not None:
+    for b, o in zip(payload_rows, offsets[len(caches):]):
+        if b.numel():
             out[o:o + b.numel()].copy_(b)
     return out
 
