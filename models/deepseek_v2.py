@@ -77,9 +77,24 @@ class DeepseekV2Config:
 class MLALatentReader:
     """Reading the latent MLA cache back and attending over it (shared by the MLA models).
 
-    Needs ``self.cfg`` (kv_cache_dtype, kv_lora_rank, qk_rope_head_dim, dtype, v_head_dim),
-    ``self.kv_b_proj``, ``self.o_proj`` and ``self.scale``.
+    Needs ``self.cfg`` (kv_cache_dtype, kv_lora_rank, qk_rope_head_dim, dtype, v_head_dim,
+    block_size, max_position, rope_theta), ``self.kv_b_proj``, ``self.o_proj``, ``self.scale`` and
+    the ``cos_sin_cache`` / ``k_scale`` buffers.
     """
+
+    def reset_buffers(self) -> None:
+        dev = self.cos_sin_cache.device
+        cfg = self.cfg
+        self.cos_sin_cache = rope_cos_sin_cache(cfg.qk_rope_head_dim, cfg.max_position, cfg.rope_theta).to(dev)
+        self.k_scale = torch.ones(1, dtype=torch.float32, device=dev)
+
+    def _latent_block_shape(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """Per-block shape and dtype of the latent cache: ``[bs, 656]`` uint8 for fp8_ds_mla
+        (DeepSeek widths), ``[bs, kv_lora_rank + rope]`` in the model dtype otherwise."""
+        cfg = self.cfg
+        if cfg.kv_cache_dtype == "fp8_ds_mla":
+            return (cfg.block_size, ds_mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)), torch.uint8
+        return (cfg.block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.dtype
 
     def _latent(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache rows ``[..., width]`` -> (kv_c, k_pe) in the model dtype."""
@@ -111,19 +126,8 @@ class DeepseekV2MLA(MLALatentReader, nn.Module):
         self.register_buffer("k_scale", torch.empty(1), persistent=False)
         self.scale = (n + r) ** -0.5
 
-    def reset_buffers(self) -> None:
-        dev = self.cos_sin_cache.device
-        cfg = self.cfg
-        self.cos_sin_cache = rope_cos_sin_cache(cfg.qk_rope_head_dim, cfg.max_position, cfg.rope_theta).to(dev)
-        self.k_scale = torch.ones(1, dtype=torch.float32, device=dev)
-
     def cache_specs(self) -> list[CacheSpec]:
-        cfg = self.cfg
-        if cfg.kv_cache_dtype == "fp8_ds_mla":
-            width, dtype = ds_mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim), torch.uint8
-        else:
-            width, dtype = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.dtype
-        return [CacheSpec(self.cache_name, MLA_GROUP, (cfg.block_size, width), dtype)]
+        return [CacheSpec(self.cache_name, MLA_GROUP, *self._latent_block_shape())]
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         cfg = self.cfg

@@ -29,7 +29,7 @@ from torch import nn
 
 from pcppass.engine.contract import CacheGroupSpec, CacheSpec, slot_key
 from pcppass.kernels.math import layer_norm, rms_norm
-from pcppass.kernels.quant import ds_mla_row_bytes, encode_ds_mla_rows, indexer_token_bytes
+from pcppass.kernels.quant import encode_ds_mla_rows, indexer_token_bytes
 from pcppass.models.common import (
     DecoderLayer,
     LayerNorm,
@@ -46,7 +46,6 @@ from pcppass.models.common import (
     reference_rows,
     request_tables,
     rope,
-    rope_cos_sin_cache,
     select_topk,
 )
 from pcppass.models.deepseek_v2 import MLALatentReader
@@ -132,21 +131,12 @@ class DeepseekV32Attention(MLALatentReader, nn.Module):
         self.register_buffer("k_scale", torch.empty(1), persistent=False)
         self.scale = (n + r) ** -0.5
 
-    def reset_buffers(self) -> None:
-        dev = self.cos_sin_cache.device
-        cfg = self.cfg
-        # the indexer rotates its first qk_rope_head_dim dims with the same table (NeoX style)
-        self.cos_sin_cache = rope_cos_sin_cache(cfg.qk_rope_head_dim, cfg.max_position, cfg.rope_theta).to(dev)
-        self.k_scale = torch.ones(1, dtype=torch.float32, device=dev)
+    # reset_buffers (MLALatentReader): the indexer rotates its first qk_rope_head_dim dims with the
+    # same RoPE table (NeoX style)
 
     def cache_specs(self) -> list[CacheSpec]:
         cfg = self.cfg
-        if cfg.kv_cache_dtype == "fp8_ds_mla":
-            kv_spec = CacheSpec(self.kv_name, MLA_GROUP,
-                                (cfg.block_size, ds_mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)), torch.uint8)
-        else:
-            kv_spec = CacheSpec(self.kv_name, MLA_GROUP, (cfg.block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
-                                cfg.dtype)
+        kv_spec = CacheSpec(self.kv_name, MLA_GROUP, *self._latent_block_shape())
         per_token = indexer_token_bytes(cfg.index_head_dim, cfg.quant_block_size)
         indexer_spec = CacheSpec(self.indexer_name, INDEXER_GROUP, (cfg.indexer_block_size * per_token,), torch.uint8)
         return [kv_spec, indexer_spec]
