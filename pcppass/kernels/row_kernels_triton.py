@@ -1,19 +1,605 @@
 """Triton kernels of :mod:`pcppass.kernels.row_kernels` (imported there on first use, once per
 Triton mode: ``triton.jit`` decides between compiling and interpreting when it decorates).
 
-Table entry fields (int64): 0 cache address, 1 rows, 2 row offset, 3 slot offset, 4 bytes per row,
-5 block size, 6 block stride, 7 number of slots, then (base, stride, length, offset in the packed
-row) per segment from field ``HEAD``.
+Tile kernels (``pack_kernel``, ``scatter_kernel``, ``peer_kernel``) run one program per tile: a
+range of ``BLOCK`` words of one table entry, a word being ``width`` bytes (16, 8, 4, 2 or 1: the
+widest that every address of the entry allows, chosen on the host). A word ``w`` of an entry is
+byte ``(w % wpr) * width`` of row ``w // wpr``, so one program moves many rows, and a 16-byte word
+is one vector load and one vector store per lane. Every address is taken relative to an aligned
+pointer argument (``anchor``) so the compiler can prove the alignment and emit 16-byte accesses.
+
+Entry fields (int64; ``row_kernels.Entry`` builds them):
+
+====  ============  ==========================================================================
+ 0    kind          0: rows of a cache at slots; 1: bytes of argument tensor ``x[arg]``;
+                    2: bytes at an absolute address (a cached header); 3: this rank's own rows
+                    (scatter: visited only to zero rows in conflict)
+ 1    cache         cache address + the segment's base (kind 0); source address (kind 2)
+ 2    rows          rows of this entry (kinds 1 and 2: one)
+ 3    buf           byte offset in the packed buffer / mailbox chunk of row 0 of this piece
+ 4    slot          kind 0: index of the first slot in ``x[arg]`` (pack, peer) or byte offset of
+                    the slots in the gathered buffer (scatter); kind 1: byte offset in ``x[arg]``
+ 5    bpr           bytes per packed row (the buffer's row stride)
+ 6    block_size
+ 7    block_stride  bytes
+ 8    slot_stride   bytes between two slots of one block, in this segment
+ 9    num_slots     valid slots are ``[0, num_slots)``
+10    wpr           words per row
+11    width         bytes per word
+12    arg           argument index (pack, peer) / alignment of the slots in the buffer (scatter)
+13    label         site label id for error reports (``pcppass.runtime.device_checks``)
+14    check         scatter: flag index of row 0 (-1: no checks); peer: slot segment number
+15    rank          scatter: the rank that sent the rows
+16    any           scatter: index of the (segment, rank) summary flag
+17..  deltas        peer: byte distance from this rank's address to each rank's replica
+====  ============  ==========================================================================
+
+Status words (an int64 array, host-mapped on CUDA so the host reads it without a sync) are
+written with plain stores, never read back on the device; see ``pcppass.runtime.device_checks``.
 """
 
 import triton
 import triton.language as tl
 
+from pcppass.kernels import row_kernels
+from pcppass.runtime import device_checks as status_words
+
+F_KIND = tl.constexpr(0)
+F_CACHE = tl.constexpr(1)
+F_ROWS = tl.constexpr(2)
+F_BUF = tl.constexpr(3)
+F_SLOT = tl.constexpr(4)
+F_BPR = tl.constexpr(5)
+F_BS = tl.constexpr(6)
+F_BSTRIDE = tl.constexpr(7)
+F_SSTRIDE = tl.constexpr(8)
+F_NSLOTS = tl.constexpr(9)
+F_WPR = tl.constexpr(10)
+F_WIDTH = tl.constexpr(11)
+F_ARG = tl.constexpr(12)
+F_LABEL = tl.constexpr(13)
+F_CHECK = tl.constexpr(14)
+F_RANK = tl.constexpr(15)
+F_ANY = tl.constexpr(16)
+F_DELTAS = tl.constexpr(17)
+
+S_HEADER = tl.constexpr(status_words.HEADER)
+S_RANGE = tl.constexpr(status_words.RANGE)
+S_RANGE_SLOT = tl.constexpr(status_words.RANGE_SLOT)
+S_RANGE_RANK = tl.constexpr(status_words.RANGE_RANK)
+S_CONFLICT = tl.constexpr(status_words.CONFLICT)
+S_CONFLICT_SLOT = tl.constexpr(status_words.CONFLICT_SLOT)
+S_CONFLICT_RANK = tl.constexpr(status_words.CONFLICT_RANK)
+S_TIMEOUT = tl.constexpr(status_words.TIMEOUT)
+S_EPOCH = tl.constexpr(status_words.EPOCH)
+S_INPUT = tl.constexpr(status_words.INPUT)
+S_INPUT_VALUE = tl.constexpr(status_words.INPUT_VALUE)
+S_OUT_OF_STEP = tl.constexpr(status_words.OUT_OF_STEP)
+
+#: summary flag of a (slot segment, rank): 0 nothing to do, 1 rows in conflict, 2 headers differ
+CONFLICTS = tl.constexpr(1)
+HEADERS_DIFFER = tl.constexpr(2)
+#: bytes before the data of a mailbox: one int64 epoch flag per rank (written by that rank)
+MAILBOX_FLAGS = tl.constexpr(row_kernels.MAILBOX_FLAGS)
+MOST_NEGATIVE = tl.constexpr(-9223372036854775807)
+
+
+# ---------------------------------------------------------------------------------------------
+# Words
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_words(anchor, src, mask, W: tl.constexpr):
+    """``[BLOCK, max(W // 4, 1)]`` words at absolute byte addresses ``src`` (W-aligned)."""
+    a = anchor.to(tl.int64)
+    if W >= 4:
+        base = anchor.to(tl.pointer_type(tl.int32), bitcast=True)
+        s = tl.multiple_of((src - a) // 4, W // 4)
+        return tl.load(base + s[:, None] + tl.arange(0, W // 4)[None, :], mask=mask[:, None], other=0)
+    elif W == 2:
+        base = anchor.to(tl.pointer_type(tl.int16), bitcast=True)
+        return tl.load(base + ((src - a) // 2)[:, None] + tl.arange(0, 1)[None, :], mask=mask[:, None], other=0)
+    else:
+        base = anchor.to(tl.pointer_type(tl.uint8), bitcast=True)
+        return tl.load(base + (src - a)[:, None] + tl.arange(0, 1)[None, :], mask=mask[:, None], other=0)
+
+
+@triton.jit
+def _store_words(anchor, dst, v, mask, W: tl.constexpr):
+    a = anchor.to(tl.int64)
+    if W >= 4:
+        base = anchor.to(tl.pointer_type(tl.int32), bitcast=True)
+        d = tl.multiple_of((dst - a) // 4, W // 4)
+        tl.store(base + d[:, None] + tl.arange(0, W // 4)[None, :], v, mask=mask[:, None])
+    elif W == 2:
+        base = anchor.to(tl.pointer_type(tl.int16), bitcast=True)
+        tl.store(base + ((dst - a) // 2)[:, None] + tl.arange(0, 1)[None, :], v, mask=mask[:, None])
+    else:
+        base = anchor.to(tl.pointer_type(tl.uint8), bitcast=True)
+        tl.store(base + (dst - a)[:, None] + tl.arange(0, 1)[None, :], v, mask=mask[:, None])
+
+
+@triton.jit
+def _move(anchor, src, dst, load_mask, store_mask, W: tl.constexpr):
+    """Copy a word per lane; lanes in ``store_mask`` but not ``load_mask`` write zeros."""
+    _store_words(anchor, dst, _load_words(anchor, src, load_mask, W), store_mask, W)
+
+
+@triton.jit
+def _zero(anchor, dst, mask, W: tl.constexpr):
+    if W >= 4:
+        _store_words(anchor, dst, tl.zeros((dst.shape[0], W // 4), tl.int32), mask, W)
+    elif W == 2:
+        _store_words(anchor, dst, tl.zeros((dst.shape[0], 1), tl.int16), mask, W)
+    else:
+        _store_words(anchor, dst, tl.zeros((dst.shape[0], 1), tl.uint8), mask, W)
+
+
+@triton.jit
+def _slot_at(anchor, addr, mask, align):
+    """int64 slots at absolute byte addresses ``addr`` (-1 off ``mask``); ``align``: the addresses'
+    alignment (a scalar: they differ by multiples of 8). Two 4-byte loads when 4-aligned, else
+    eight byte loads, chosen by masks (no branch: its two results could get different layouts)."""
+    a = anchor.to(tl.int64)
+    wide = align % 4 == 0
+    words = anchor.to(tl.pointer_type(tl.int32), bitcast=True) + (addr - a) // 4
+    lo = tl.load(words, mask=mask & wide, other=0).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.load(words + 1, mask=mask & wide, other=0).to(tl.int64)
+    byte_slot = tl.zeros_like(addr)
+    bytes_ = anchor.to(tl.pointer_type(tl.uint8), bitcast=True) + (addr - a)
+    for k in tl.static_range(8):
+        byte = tl.load(bytes_ + k, mask=mask & ~wide, other=0).to(tl.int64)
+        byte_slot = byte_slot | (byte << (8 * k))
+    return tl.where(mask, tl.where(wide, lo | (hi << 32), byte_slot), -1)
+
+
+@triton.jit
+def _slots_any_alignment(anchor, addr, mask):
+    """:func:`_slot_at` for addresses whose alignment is known only on the device."""
+    return _slot_at(anchor, addr, mask, tl.min(tl.where(mask, addr, 0x7FFFFFFFFFFFFFF8), axis=0))
+
+
+@triton.jit
+def _arg(k, x0, x1, x2, x3, x4, x5, x6, x7):
+    p = x0
+    if k == 1:
+        p = x1
+    elif k == 2:
+        p = x2
+    elif k == 3:
+        p = x3
+    elif k == 4:
+        p = x4
+    elif k == 5:
+        p = x5
+    elif k == 6:
+        p = x6
+    elif k == 7:
+        p = x7
+    return p
+
+
+@triton.jit
+def _cache_address(entry, slot, col, W: tl.constexpr):
+    bs = tl.load(entry + F_BS)
+    return (tl.load(entry + F_CACHE) + (slot // bs) * tl.load(entry + F_BSTRIDE)
+            + (slot % bs) * tl.load(entry + F_SSTRIDE) + col * W)
+
+
+@triton.jit
+def _words(entry, first, BLOCK: tl.constexpr):
+    """Row, column and liveness of the ``BLOCK`` words of a tile starting at word ``first``."""
+    wpr = tl.load(entry + F_WPR)
+    w = first + tl.arange(0, BLOCK).to(tl.int64)
+    live = w < tl.load(entry + F_ROWS) * wpr
+    row = w // wpr
+    return row, w - row * wpr, live
+
+
+@triton.jit
+def _report_range(status, bad, slot, entry, rank):
+    """Record an out-of-range slot (``slot < -1`` or ``>= num_slots``) of this entry."""
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.store(status + S_RANGE_SLOT, tl.max(tl.where(bad, slot, MOST_NEGATIVE), axis=0))
+        tl.store(status + S_RANGE_RANK, rank)
+        tl.store(status + S_RANGE, tl.load(entry + F_LABEL) + 1)
+
+
+@triton.jit
+def _checked_slots(entry, slot, live, status, rank):
+    """(valid lanes, slots clamped to 0 elsewhere); out-of-range slots are reported and dropped."""
+    num_slots = tl.load(entry + F_NSLOTS)
+    valid = live & (slot >= 0) & (slot < num_slots)
+    _report_range(status, live & ((slot < -1) | (slot >= num_slots)), slot, entry, rank)
+    return valid, tl.where(valid, slot, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pack: caches' rows at this rank's slots, header and payloads -> one buffer
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pack_tile(entry, first, out, anchor, x0, x1, x2, x3, x4, x5, x6, x7, status, me,
+               W: tl.constexpr, BLOCK: tl.constexpr):
+    row, col, live = _words(entry, first, BLOCK)
+    dst = out.to(tl.int64) + tl.load(entry + F_BUF) + row * tl.load(entry + F_BPR) + col * W
+    kind = tl.load(entry + F_KIND)
+    x = _arg(tl.load(entry + F_ARG), x0, x1, x2, x3, x4, x5, x6, x7)
+    if kind == 0:
+        slots = x.to(tl.pointer_type(tl.int64), bitcast=True) + tl.load(entry + F_SLOT)
+        slot = tl.load(slots + row, mask=live, other=-1)
+        valid, safe = _checked_slots(entry, slot, live, status, me)
+        _move(anchor, _cache_address(entry, safe, col, W), dst, valid, live, W)
+    elif kind == 1:
+        _move(anchor, x.to(tl.int64) + tl.load(entry + F_SLOT) + col * W, dst, live, live, W)
+    else:
+        _move(anchor, tl.load(entry + F_CACHE) + col * W, dst, live, live, W)
+
+
+@triton.jit
+def pack_kernel(out, table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, status, me,
+                ENTRY: tl.constexpr, BLOCK: tl.constexpr):
+    """Program t: tile ``tiles[t] = (entry, first word)``; padding rows (slot -1) pack zeros."""
+    t = tl.program_id(0)
+    entry = table + tl.load(tiles + 2 * t) * ENTRY
+    first = tl.load(tiles + 2 * t + 1)
+    width = tl.load(entry + F_WIDTH)
+    if width == 16:
+        _pack_tile(entry, first, out, table, x0, x1, x2, x3, x4, x5, x6, x7, status, me, 16, BLOCK)
+    elif width == 8:
+        _pack_tile(entry, first, out, table, x0, x1, x2, x3, x4, x5, x6, x7, status, me, 8, BLOCK)
+    elif width == 4:
+        _pack_tile(entry, first, out, table, x0, x1, x2, x3, x4, x5, x6, x7, status, me, 4, BLOCK)
+    elif width == 2:
+        _pack_tile(entry, first, out, table, x0, x1, x2, x3, x4, x5, x6, x7, status, me, 2, BLOCK)
+    else:
+        _pack_tile(entry, first, out, table, x0, x1, x2, x3, x4, x5, x6, x7, status, me, 1, BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks of a gathered buffer: headers and cross-rank slot conflicts
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _first_header_mismatch(buf, me, world, chunk, head_len, BLOCK: tl.constexpr):
+    """The first rank whose header bytes differ from this rank's (-1: none)."""
+    found = -1
+    for r in range(world):
+        for h in range(0, head_len, BLOCK):
+            o = h + tl.arange(0, BLOCK)
+            m = o < head_len
+            theirs = tl.load(buf + r * chunk + o, mask=m, other=0)
+            mine = tl.load(buf + me * chunk + o, mask=m, other=0)
+            if (found < 0) & (tl.max((theirs != mine).to(tl.int32), axis=0) > 0):
+                found = r
+    return found
+
+
+@triton.jit
+def _row_conflicts(anchor, slots_at, rank, world, n, i, mi, BLOCK: tl.constexpr):
+    """For rows ``i`` of ``rank``: does another rank hold the same slot (>= 0)? ``slots_at(r)``
+    is rank r's slot address of row 0 (a tensor of one address per rank)."""
+    mine = _slots_any_alignment(anchor, tl.sum(tl.where(tl.arange(0, 8) == rank, slots_at, 0), axis=0) + 8 * i, mi)
+    hit = tl.zeros(i.shape, tl.int32)
+    for other in range(world):
+        if other != rank:
+            base = tl.sum(tl.where(tl.arange(0, 8) == other, slots_at, 0), axis=0)
+            for k0 in range(0, n, BLOCK):
+                k = k0 + tl.arange(0, BLOCK)
+                mk = k < n
+                theirs = _slots_any_alignment(anchor, base + 8 * k, mk)
+                eq = (mine[:, None] == theirs[None, :]) & mk[None, :] & (mine[:, None] >= 0) & mi[:, None]
+                hit = hit | tl.max(eq.to(tl.int32), axis=1)
+    return mine, hit
+
+
+@triton.jit
+def _report_conflict(status, hit, slot, label, rank):
+    if tl.max(hit, axis=0) > 0:
+        tl.store(status + S_CONFLICT_SLOT, tl.max(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
+        tl.store(status + S_CONFLICT_RANK, rank)
+        tl.store(status + S_CONFLICT, label + 1)
+
+
+@triton.jit
+def check_kernel(buf, index, segs, flags, status, me, world, nseg, chunk, head_len, conflicts,
+                 BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (j, r): slot segment ``segs[j] = (segment, label, row flags of rank 0, summary
+    flags of rank 0)``, rank ``r``. If any rank's header differs from this rank's, the summary flag
+    says so (nothing is applied); else each of r's rows is flagged 1 when another rank holds the
+    same slot (two owners: every replica zeroes that row, so they stay identical). With
+    ``conflicts`` 0 only the headers are compared."""
+    j = tl.program_id(0)
+    r = tl.program_id(1)
+    seg = tl.load(segs + 4 * j)
+    label = tl.load(segs + 4 * j + 1)
+    row_flags = tl.load(segs + 4 * j + 2)
+    summary = flags + tl.load(segs + 4 * j + 3) + r
+    differs = _first_header_mismatch(buf, me, world, chunk, head_len, BLOCK_H)
+    if differs >= 0:
+        tl.store(summary, HEADERS_DIFFER)
+        if (j == 0) & (r == 0):
+            tl.store(status + S_HEADER, differs + 1)
+    elif conflicts == 0:
+        tl.store(summary, 0)
+    else:
+        ranks = tl.arange(0, 8)
+        slots_at = buf.to(tl.int64) + tl.load(index + (ranks * nseg + seg) * 2, mask=ranks < world, other=0)
+        n = tl.load(index + (r * nseg + seg) * 2 + 1) // 8
+        any_hit = 0
+        for i0 in range(0, n, BLOCK_N):
+            i = i0 + tl.arange(0, BLOCK_N)
+            mi = i < n
+            slot, hit = _row_conflicts(buf, slots_at, r, world, n, i, mi, BLOCK_N)
+            tl.store(flags + row_flags + r * n + i, hit.to(tl.uint8), mask=mi)
+            _report_conflict(status, hit, slot, label, r)
+            any_hit = any_hit | tl.max(hit, axis=0)
+        tl.store(summary, any_hit.to(tl.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# Scatter: the other ranks' rows from the gathered buffer into this rank's caches
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scatter_words(entry, first, buf, anchor, flags, status, summary, W: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows of a tile: applied (summary 0), or zeroed where flagged as conflicts (summary 1)."""
+    row, col, live = _words(entry, first, BLOCK)
+    rank = tl.load(entry + F_RANK)
+    slot_addr = buf.to(tl.int64) + tl.load(entry + F_SLOT) + row * 8
+    slot = _slot_at(anchor, slot_addr, live, tl.load(entry + F_ARG))
+    valid, safe = _checked_slots(entry, slot, live, status, rank)
+    dst = _cache_address(entry, safe, col, W)
+    conflict = tl.load(flags + tl.load(entry + F_CHECK) + row, mask=live & (summary == CONFLICTS), other=0) != 0
+    if tl.load(entry + F_KIND) == 0:
+        src = buf.to(tl.int64) + tl.load(entry + F_BUF) + row * tl.load(entry + F_BPR) + col * W
+        _move(anchor, src, dst, valid & ~conflict, valid, W)
+    else:
+        _zero(anchor, dst, valid & conflict, W)
+
+
+
+@triton.jit
+def _scatter_tile(entry, first, buf, anchor, flags, status, W: tl.constexpr, BLOCK: tl.constexpr):
+    summary = 0
+    if tl.load(entry + F_ANY) >= 0:
+        summary = tl.load(flags + tl.load(entry + F_ANY)).to(tl.int32)
+    if first >= 0:
+        if summary != HEADERS_DIFFER:
+            _scatter_words(entry, first, buf, anchor, flags, status, summary, W, BLOCK)
+    elif summary == CONFLICTS:  # this rank's own rows: only conflicting ones change (to zeros)
+        for start in range(0, tl.load(entry + F_ROWS) * tl.load(entry + F_WPR), BLOCK):
+            _scatter_words(entry, start, buf, anchor, flags, status, summary, W, BLOCK)
+
+
+@triton.jit
+def scatter_kernel(buf, table, tiles, flags, status, ENTRY: tl.constexpr, BLOCK: tl.constexpr):
+    """Program t: tile ``tiles[t] = (entry, first word)``; first word -1: an entry of this rank's
+    own rows, visited only to zero rows in conflict."""
+    t = tl.program_id(0)
+    entry = table + tl.load(tiles + 2 * t) * ENTRY
+    first = tl.load(tiles + 2 * t + 1)
+    width = tl.load(entry + F_WIDTH)
+    if width == 16:
+        _scatter_tile(entry, first, buf, table, flags, status, 16, BLOCK)
+    elif width == 8:
+        _scatter_tile(entry, first, buf, table, flags, status, 8, BLOCK)
+    elif width == 4:
+        _scatter_tile(entry, first, buf, table, flags, status, 4, BLOCK)
+    elif width == 2:
+        _scatter_tile(entry, first, buf, table, flags, status, 2, BLOCK)
+    else:
+        _scatter_tile(entry, first, buf, table, flags, status, 1, BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------
+# Slot inputs: range checks on the device
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def input_kernel(checks, x0, x1, x2, x3, x4, x5, x6, x7, status, BLOCK: tl.constexpr):
+    """Program c: ``checks[c] = (argument, count, lowest, limit, id)``: every slot of argument
+    tensor ``x[argument]`` (int64) must lie in ``[lowest, limit)``."""
+    c = checks + tl.program_id(0) * 5
+    slots = _arg(tl.load(c), x0, x1, x2, x3, x4, x5, x6, x7).to(tl.pointer_type(tl.int64), bitcast=True)
+    n = tl.load(c + 1)
+    low = tl.load(c + 2)
+    high = tl.load(c + 3)
+    for i0 in range(0, n, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        s = tl.load(slots + i, mask=i < n, other=low)
+        bad = (s < low) | (s >= high)
+        if tl.max(bad.to(tl.int32), axis=0) > 0:
+            tl.store(status + S_INPUT_VALUE, tl.max(tl.where(bad, s, MOST_NEGATIVE), axis=0))
+            tl.store(status + S_INPUT, tl.load(c + 4) + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Peer stores: this rank's rows straight into every peer's replica, then one epoch barrier
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _now(USE_TIMER: tl.constexpr):
+    if USE_TIMER:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+    else:
+        return tl.zeros([], tl.int64)
+
+
+@triton.jit
+def _peer_tile(entry, first, anchor, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world,
+               W: tl.constexpr, BLOCK: tl.constexpr):
+    row, col, live = _words(entry, first, BLOCK)
+    kind = tl.load(entry + F_KIND)
+    x = _arg(tl.load(entry + F_ARG), x0, x1, x2, x3, x4, x5, x6, x7)
+    if kind == 0:  # cache rows: the same address in every peer's replica
+        slots = x.to(tl.pointer_type(tl.int64), bitcast=True) + tl.load(entry + F_SLOT)
+        slot = tl.load(slots + row, mask=live, other=-1)
+        valid, safe = _checked_slots(entry, slot, live, status, me)
+        src = _cache_address(entry, safe, col, W)
+        v = _load_words(anchor, src, valid, W)
+        for q in range(world):
+            if q != me:
+                _store_words(anchor, src + tl.load(entry + F_DELTAS + q), v, valid, W)
+    else:  # header and payload bytes: this rank's chunk of every rank's mailbox (its own too)
+        start = tl.where(kind == 1, x.to(tl.int64) + tl.load(entry + F_SLOT), tl.load(entry + F_CACHE))
+        v = _load_words(anchor, start + col * W, live, W)
+        dst = chunk_addr + tl.load(entry + F_BUF) + col * W
+        for q in range(world):
+            _store_words(anchor, dst + tl.load(entry + F_DELTAS + q), v, live, W)
+
+
+@triton.jit
+def _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, USE_TIMER: tl.constexpr):
+    """Raise this rank's epoch flag in every peer's mailbox (release), then wait (acquire) until
+    every peer's flag in this rank's mailbox reached ``epoch``; give up after ``limit`` ns (spins
+    when interpreting) and report it. Returns 1 when every peer arrived."""
+    flags = mailbox.to(tl.pointer_type(tl.int64), bitcast=True)
+    for q in range(world):
+        if q != me:
+            peer_flags = (mailbox.to(tl.int64) + tl.load(mailbox_deltas + q)).to(tl.pointer_type(tl.int64))
+            tl.atomic_max(peer_flags + me, epoch, sem="release", scope="sys")
+    arrived = 1
+    for q in range(world):
+        if q != me:
+            seen = tl.atomic_add(flags + q, 0, sem="acquire", scope="sys")
+            if USE_TIMER:
+                start = _now(USE_TIMER)
+                while (seen < epoch) & (_now(USE_TIMER) - start < limit):
+                    seen = tl.atomic_add(flags + q, 0, sem="acquire", scope="sys")
+            else:
+                spins = 0
+                while (seen < epoch) & (spins < limit):
+                    seen = tl.atomic_add(flags + q, 0, sem="acquire", scope="sys")
+                    spins += 1
+            if seen < epoch:
+                tl.store(status + S_EPOCH, epoch)
+                tl.store(status + S_TIMEOUT, q + 1)
+                arrived = 0
+            elif seen > epoch + 1:  # a peer two syncs ahead ran syncs this rank did not
+                tl.store(status + S_EPOCH, epoch)
+                tl.store(status + S_OUT_OF_STEP, q + 1)
+                arrived = 0
+    return arrived
+
+
+@triton.jit
+def _zero_conflicting_rows(table, num_entries, anchor, box, chunk, seg, j, me, world, n,
+                           ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Slow path (rows in conflict): every replica zeroes, in its own caches, every row whose slot
+    two ranks wrote, so the replicas stay identical. ``seg``: byte offset of the slots in a chunk."""
+    ranks = tl.arange(0, 8)
+    slots_at = box + ranks * chunk + seg
+    for e in range(num_entries):
+        entry = table + e * ENTRY
+        if (tl.load(entry + F_KIND) == 0) & (tl.load(entry + F_CHECK) == j):
+            length = tl.load(entry + F_WPR) * tl.load(entry + F_WIDTH)
+            for r in range(world):
+                for i0 in range(0, n, BLOCK_N):
+                    i = i0 + tl.arange(0, BLOCK_N)
+                    mi = i < n
+                    slot, hit = _row_conflicts(anchor, slots_at, r, world, n, i, mi, BLOCK_N)
+                    num_slots = tl.load(entry + F_NSLOTS)
+                    rows = (hit > 0) & (slot >= 0) & (slot < num_slots)
+                    at = _cache_address(entry, tl.where(rows, slot, 0), 0, 1)
+                    for c0 in range(0, length, BLOCK_C):
+                        c = c0 + tl.arange(0, BLOCK_C)
+                        dst = at[:, None] + c[None, :]
+                        base = anchor.to(tl.pointer_type(tl.uint8), bitcast=True)
+                        tl.store(base + (dst - anchor.to(tl.int64)), tl.zeros(dst.shape, tl.uint8),
+                                 mask=rows[:, None] & (c < length)[None, :])
+
+
+@triton.jit
+def _peer_checks(table, num_entries, anchor, box, segs, num_segs, status, me, world, chunk, head_len,
+                 ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """After the barrier: every rank's header (in this rank's mailbox) must equal this rank's, and
+    no slot may have two owners (``segs[j] = (slots byte offset in a chunk, rows, label)``)."""
+    differs = _first_header_mismatch(box.to(tl.pointer_type(tl.uint8)), me, world, chunk, head_len, BLOCK_H)
+    if differs >= 0:
+        tl.store(status + S_HEADER, differs + 1)
+    else:
+        ranks = tl.arange(0, 8)
+        for j in range(num_segs):
+            seg = tl.load(segs + 3 * j)
+            n = tl.load(segs + 3 * j + 1)
+            slots_at = box + ranks * chunk + seg
+            any_hit = 0
+            for r in range(world):
+                for i0 in range(0, n, BLOCK_N):
+                    i = i0 + tl.arange(0, BLOCK_N)
+                    mi = i < n
+                    slot, hit = _row_conflicts(anchor, slots_at, r, world, n, i, mi, BLOCK_N)
+                    _report_conflict(status, hit, slot, tl.load(segs + 3 * j + 2), r)
+                    any_hit = any_hit | tl.max(hit, axis=0)
+            if any_hit > 0:
+                _zero_conflicting_rows(table, num_entries, anchor, box, chunk, seg, j, me, world, n,
+                                       ENTRY, BLOCK_N, 64)
+
+
+@triton.jit
+def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_deltas, counters, segs,
+                status, me, world, num_entries, num_segs, capacity, chunk, head_len, limit, checks, phase,
+                ENTRY: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Program t stores tile ``tiles[t]`` into every peer; the last program to finish raises the
+    epoch flag in every peer's mailbox, waits for theirs, then checks headers and slot conflicts.
+
+    ``counters``: [epoch, programs arrived] in this rank's memory. The epoch of this call is
+    ``counters[0] + 1`` for every program: only the last program advances it, after all arrived.
+    Mailbox chunks alternate between two halves by epoch parity, so a peer one sync ahead never
+    overwrites a chunk this rank still checks. ``phase``: 3 on the device (stores and barrier, then
+    checks); a simulation of several ranks in one process runs every rank with 1, then with 2
+    (checks only, on the epoch the stores used).
+    """
+    t = tl.program_id(0)
+    entry = table + tl.load(tiles + 2 * t) * ENTRY
+    first = tl.load(tiles + 2 * t + 1)
+    stores = (phase & 1) != 0
+    epoch = tl.load(counters) + stores.to(tl.int64)
+    data = mailbox.to(tl.int64) + MAILBOX_FLAGS + (epoch % 2) * world * capacity
+    if stores:
+        chunk_addr = data + me * capacity
+        width = tl.load(entry + F_WIDTH)
+        if width == 16:
+            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 16, BLOCK)
+        elif width == 8:
+            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 8, BLOCK)
+        elif width == 4:
+            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 4, BLOCK)
+        elif width == 2:
+            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 2, BLOCK)
+        else:
+            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 1, BLOCK)
+    tl.debug_barrier()
+    done = tl.atomic_add(counters + 1, 1, sem="acq_rel", scope="sys")
+    if done == tl.num_programs(0) - 1:
+        tl.store(counters + 1, 0)
+        arrived = 1
+        if stores:
+            tl.store(counters, epoch)
+            arrived = _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, USE_TIMER)
+        if (arrived == 1) & (checks != 0) & ((phase & 2) != 0):
+            _peer_checks(table, num_entries, table, data, segs, num_segs, status, me, world, capacity,
+                         head_len, ENTRY, 64, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache-write store: one program per row (the cache-write ops, pcppass.kernels.cache_ops)
+# ---------------------------------------------------------------------------------------------
+
 
 @triton.jit
 def copy_segments(dst_row, src_row, cache, slot, valid, entry, TO_CACHE: tl.constexpr,
                   MAXSEG: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy one row's segments between a packed row and the cache (direction TO_CACHE)."""
+    """Copy one row's segments between a packed row and the cache (direction TO_CACHE).
+    ``entry``: ``row_kernels.RowAddressing.fields()`` behind ``HEAD`` leading fields."""
     bs = tl.load(entry + 5)
     block_stride = tl.load(entry + 6)
     safe = tl.where(valid, slot, 0)
@@ -34,38 +620,6 @@ def copy_segments(dst_row, src_row, cache, slot, valid, entry, TO_CACHE: tl.cons
                 v = tl.load(in_cache + o, mask=m & valid, other=0)
                 tl.store(dst_row + packed + o, v, mask=m)
 
-@triton.jit
-def scatter_kernel(buf, table, ENTRY: tl.constexpr, MAXSEG: tl.constexpr, HEAD: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """Program (entry, row): row ``row`` one rank sent for one cache, from ``buf`` to the cache.
-    The slot is read byte by byte: a slot segment need not be 8-byte aligned in ``buf``."""
-    entry = table + tl.program_id(0) * ENTRY
-    row = tl.program_id(1).to(tl.int64)
-    n = tl.load(entry + 1)
-    if row < n:
-        cache = tl.load(entry).to(tl.pointer_type(tl.uint8))
-        bpr = tl.load(entry + 4)
-        src = buf + tl.load(entry + 2) + row * bpr
-        slot_at = buf + tl.load(entry + 3) + row * 8
-        slot = tl.load(slot_at).to(tl.int64)
-        for k in tl.static_range(1, 8):
-            slot = slot | (tl.load(slot_at + k).to(tl.int64) << (8 * k))
-        valid = (slot >= 0) & (slot < tl.load(entry + 7))
-        copy_segments(src, src, cache, slot, valid, entry, True, MAXSEG, HEAD, BLOCK)
-
-@triton.jit
-def pack_kernel(out, slots, table, ENTRY: tl.constexpr, MAXSEG: tl.constexpr, HEAD: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """Program (entry, row): the cache's row at ``slots[...]`` into ``out`` (zeros for -1)."""
-    entry = table + tl.program_id(0) * ENTRY
-    row = tl.program_id(1).to(tl.int64)
-    n = tl.load(entry + 1)
-    if row < n:
-        cache = tl.load(entry).to(tl.pointer_type(tl.uint8))
-        dst = out + tl.load(entry + 2) + row * tl.load(entry + 4)
-        slot = tl.load(slots + tl.load(entry + 3) + row)
-        valid = (slot >= 0) & (slot < tl.load(entry + 7))
-        copy_segments(dst, dst, cache, slot, valid, entry, False, MAXSEG, HEAD, BLOCK)
 
 @triton.jit
 def store_kernel(rows, slots, cache_address, entry, ENTRY: tl.constexpr, MAXSEG: tl.constexpr,
