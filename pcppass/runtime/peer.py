@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +119,11 @@ class SymmetricReplicas:
 
         group = _resolve_process_group(self.group_name)
         self.me, self.world = dist.get_rank(group), dist.get_world_size(group)
+        enable = getattr(_symm_mem(), "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed before a rendezvous on older torch; a no-op on newer
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group_name)
         self.mailbox = symmetric_zeros((MAILBOX_FLAGS + 2 * self.world * self.capacity,), torch.uint8, self.device)
         self.mailbox_deltas = torch.tensor(self._allocation_deltas(self.mailbox), dtype=torch.int64,
                                            device=self.device)
@@ -129,7 +135,8 @@ class SymmetricReplicas:
         return int(self.timeout_s * 1e9)
 
     def _allocation_deltas(self, t: torch.Tensor) -> tuple[int, ...]:
-        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        storage = t.untyped_storage()
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
         handle = _symm_mem().rendezvous(whole, self.group_name)
         ptrs = [int(p) for p in handle.buffer_ptrs]
         return tuple(p - ptrs[self.me] for p in ptrs)
