@@ -218,7 +218,10 @@ def check_replicas(layers: Layers, graph: torch.cuda.CUDAGraph, seed: int) -> tu
     torch.cuda.synchronize()
     equal = caches_equal_across_ranks({str(i): c for i, c in enumerate(layers.caches())})
     error = device_checks.pending("cuda")
-    return all(equal.values()) and error is None, layers.digest() if error is None else str(error)
+    digest = layers.digest() if error is None else str(error)
+    # a peer's next sync stores into this rank's replica: everyone reads this step's state first
+    dist.barrier()
+    return all(equal.values()) and error is None, digest
 
 
 def sync_rank(rank: int, world: int, cfg: Config) -> dict:

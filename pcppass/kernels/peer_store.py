@@ -15,11 +15,13 @@ The launch (``row_kernels.peer_store``, one program per tile):
    16-byte words where the layout allows) to the same address in every peer's replica; the header
    and payloads (slot mappings, re-run inputs) go to this rank's chunk of every rank's mailbox;
 2. the last program to finish raises this sync's epoch in every peer's mailbox and waits (bounded)
-   for every peer's;
-3. then, with checks on, it compares every rank's header with this rank's (fingerprint, segment
-   sizes) and every slot with the other ranks' slots of the same segment: a slot two ranks wrote
-   is zeroed in this rank's replica (every rank does the same, so the replicas stay identical);
-   errors go to the device status (:mod:`pcppass.runtime.device_checks`).
+   for every peer's.
+
+Then, with checks on, one more launch (``check_kernel``, as for the all-gather transport but on
+the mailbox) compares every rank's header with this rank's (fingerprint, segment sizes) and every
+slot with the other ranks' slots of the same segment: a slot two ranks wrote is zeroed in this
+rank's replica (every rank does the same, so the replicas stay identical); errors go to the
+device status (:mod:`pcppass.runtime.device_checks`).
 
 No all-gather buffer, no receive-side scatter: a replica's rows arrive with the same bytes the
 all-gather transport's scatter writes (the rows of the cache at the owner's slots). A peer's rows
@@ -84,7 +86,9 @@ def store(
     phase: int = 3,
 ) -> torch.Tensor:
     """One peer-store sync (see the module docstring); returns every rank's mailbox chunk when
-    ``return_payloads`` (``[world * chunk]`` bytes), else an empty tensor."""
+    ``return_payloads`` (``[world * chunk]`` bytes), else an empty tensor. ``phase``: 3 runs the
+    stores with the barrier (1), then the checks (2); a simulation of several ranks in one
+    process runs every rank's phase 1, then every rank's phase 2."""
     decoded = decode_pack_layouts(caches, cache_slots, layouts)
     labels = site_labels(sites, len(caches))
     addressings = [row_kernels.addressing(c, lay) for c, lay in zip(caches, decoded)]
@@ -128,22 +132,28 @@ def store(
             what = device_checks.label(labels[i])
             for piece in row_kernels.pieces(cache, addr):
                 entries.append(row_kernels.rows_entry(piece, rows=counts[i], arg=slot_args[i], label=what,
-                                                      check=segs.index(slots_segments[i]), deltas=deltas))
+                                                      segment=segs.index(slots_segments[i]), deltas=deltas))
         for k, arg in enumerate(payload_args):
             if sizes[n + k]:
                 entries.append(row_kernels.bytes_entry(
                     kind=row_kernels.ARG_BYTES, arg=arg, nbytes=sizes[n + k], buf=offsets[n + k], deltas=box,
                     aligned_with=(*box_terms, launch_args[arg].data_ptr())))
-        seg_rows = [[offsets[seg], payloads[seg - n].numel(), device_checks.label(labels[slots_segments.index(seg)])]
-                    for seg in segs]
-        return entries, {"segs": torch.tensor(seg_rows, dtype=torch.int64)}
+        extra = row_kernels.check_tables(
+            [(payloads[seg - n].numel(), device_checks.label(labels[slots_segments.index(seg)]), offsets[seg],
+              row_kernels.word_width(*box_terms, offsets[seg], 8)) for seg in segs], reps.world)
+        return entries, extra
 
     tiles = row_kernels.tile_table(key, device, build)
-    row_kernels.peer_store(tiles, launch_args, reps.mailbox, reps.mailbox_deltas, reps.counters, reps.me,
-                           reps.world, reps.capacity, chunk, head.numel(), reps.limit,
-                           verify or check_conflicts, phase)
+    if phase & 1:
+        row_kernels.peer_store(tiles, launch_args, reps.mailbox, reps.mailbox_deltas, reps.counters, reps.me,
+                               reps.world, reps.capacity, reps.limit)
+    if phase & 2 and (verify or check_conflicts):
+        chunks = row_kernels.Chunks(reps.mailbox, row_kernels.MAILBOX_FLAGS, reps.capacity,
+                                    reps.world * reps.capacity, reps.counters)
+        row_kernels.check(chunks, tiles, reps.me, reps.world, head.numel(), check_conflicts)
     rows_bytes = sum(c * lay.bytes_per_row for c, lay in zip(counts, decoded))
-    SYNC_COUNTERS.record(rows_bytes + chunk, reps.world)
+    if phase & 1:
+        SYNC_COUNTERS.record(rows_bytes + chunk, reps.world)
     if not return_payloads:
         return torch.empty(0, dtype=torch.uint8, device=device)
     return every_chunk(reps, chunk)

@@ -59,10 +59,12 @@ MAX_ARGS = 8
 MAX_WORLD = 8
 #: words per tile (one program)
 BLOCK = 512
+#: rows of one rank one program of check_kernel compares
+CHECK_ROWS = 64
 #: int64 fields of a tile-table entry (see row_kernels_triton)
 TILE_FIELDS = 17 + MAX_WORLD
 #: entry kinds
-ROWS, ARG_BYTES, ADDRESS_BYTES, OWN_ROWS = 0, 1, 2, 3
+ROWS, ARG_BYTES, ADDRESS_BYTES = 0, 1, 2
 #: bytes before a mailbox's data: one int64 epoch flag per rank (row_kernels_triton.MAILBOX_FLAGS)
 MAILBOX_FLAGS = 256
 
@@ -180,15 +182,15 @@ def pieces(cache: torch.Tensor, addr: RowAddressing) -> list[Piece]:
             for b, stride, length, packed in addr.segments]
 
 
-def rows_entry(piece: Piece, *, kind: int = ROWS, rows: int, buf: int = 0, slot: int = 0, arg: int = 0,
-               label: int = 0, check: int = -1, rank: int = 0, summary: int = -1,
-               deltas: Sequence[int] = (), aligned_with: Sequence[int] = ()) -> list[int]:
+def rows_entry(piece: Piece, *, rows: int, buf: int = 0, slot: int = 0, arg: int = 0, label: int = 0,
+               check: int = -1, rank: int = 0, segment: int = -1, deltas: Sequence[int] = (),
+               aligned_with: Sequence[int] = ()) -> list[int]:
     """A table entry moving ``piece`` for ``rows`` rows; ``aligned_with``: the other side's
     addresses and strides (the word width must divide them too)."""
     width = word_width(*piece.alignment_terms, *aligned_with, *deltas)
-    return [kind, piece.address, rows, buf, slot, piece.bytes_per_row, piece.block_size, piece.block_stride,
+    return [ROWS, piece.address, rows, buf, slot, piece.bytes_per_row, piece.block_size, piece.block_stride,
             piece.slot_stride, piece.num_slots, piece.length // width, width, arg, label, check, rank,
-            summary, *deltas, *[0] * (MAX_WORLD - len(deltas))]
+            segment, *deltas, *[0] * (MAX_WORLD - len(deltas))]
 
 
 def bytes_entry(*, kind: int, nbytes: int, buf: int, source: int = 0, offset: int = 0, arg: int = 0,
@@ -203,7 +205,7 @@ def bytes_entry(*, kind: int, nbytes: int, buf: int, source: int = 0, offset: in
 @dataclass
 class TileTable:
     table: torch.Tensor  # [entries, TILE_FIELDS] int64
-    tiles: torch.Tensor  # [tiles, 2] int64: (entry, first word); first -1: an own-rows entry
+    tiles: torch.Tensor  # [tiles, 2] int64: (entry, first word)
     num_entries: int
     num_tiles: int
     extra: dict
@@ -212,9 +214,6 @@ class TileTable:
 def _tiles(entries: list[list[int]]) -> list[int]:
     out: list[int] = []
     for i, e in enumerate(entries):
-        if e[0] == OWN_ROWS:
-            out += [i, -1]
-            continue
         for first in range(0, e[2] * e[10], BLOCK):
             out += [i, first]
     return out
@@ -309,15 +308,43 @@ def pack(out: torch.Tensor, tiles: TileTable, args: list[torch.Tensor], me: int)
                                               ENTRY=TILE_FIELDS, BLOCK=BLOCK)
 
 
-def check(buf: torch.Tensor, index: torch.Tensor, tiles: TileTable, me: int, world: int, chunk: int,
-          head_len: int, conflicts: bool) -> None:
-    """Every rank's header in a gathered buffer against this rank's and, with ``conflicts``, every
-    slot of the segments ``tiles.extra["segs"]`` against the other ranks' (row flags and summary
-    flags in ``tiles.extra["flags"]``)."""
-    segs, flags = tiles.extra["segs"], tiles.extra["flags"]
-    kernels().check_kernel[(segs.numel() // 4, world)](
-        buf, index, segs, flags, device_checks.status(buf.device), me, world, index.shape[1], chunk, head_len,
-        int(conflicts), BLOCK_N=64, BLOCK_H=256)
+@dataclass(frozen=True)
+class Chunks:
+    """Where every rank's chunk (header, segments) of an exchange lies on this rank: rank r's at
+    ``anchor + offset + r * stride``, in the mailbox half of the last sync when ``half`` > 0."""
+
+    anchor: torch.Tensor
+    offset: int
+    stride: int
+    half: int = 0
+    counters: torch.Tensor | None = None
+
+
+def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, conflicts: bool) -> None:
+    """Every rank's header against this rank's and, with ``conflicts``, every slot of the
+    segments ``tiles.extra["segs"]`` against the other ranks' (see ``check_kernel``): row flags in
+    ``tiles.extra["flags"]``, ``tiles.extra["verdict"][0]`` 1 when the headers differ; rows two
+    ranks wrote are zeroed in the caches of ``tiles``' entries."""
+    segs = tiles.extra["segs"]
+    per_rank = max(1, -(-int(tiles.extra["max_rows"]) // CHECK_ROWS))
+    kernels().check_kernel[(segs.shape[0], world * per_rank)](
+        chunks.anchor, chunks.offset, chunks.stride, chunks.half,
+        chunks.counters if chunks.counters is not None else segs, segs, tiles.extra["flags"],
+        tiles.extra["verdict"], tiles.table, tiles.num_entries, device_checks.status(chunks.anchor.device), me,
+        world, head_len, int(conflicts), per_rank, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS, BLOCK_K=256,
+        BLOCK_H=1024)
+
+
+def check_tables(segments: Sequence[tuple[int, int, int, int]], world: int) -> dict:
+    """``extra`` of a table checked by :func:`check`: ``segments`` = (rows, label, byte offset of
+    the slots in a chunk, alignment of those slots) per slot segment."""
+    rows, at = [], 0
+    for n, label, offset, align in segments:
+        rows.append([n, label, at, offset, align])
+        at += world * n
+    return {"segs": torch.tensor(rows or [[0, 0, 0, 0, 8]], dtype=torch.int64),
+            "flags": torch.zeros(max(at, 1), dtype=torch.uint8), "verdict": torch.zeros(1, dtype=torch.int32),
+            "max_rows": max((n for n, _, _, _ in segments), default=0)}
 
 
 def scatter(buf: torch.Tensor, tiles: TileTable) -> None:
@@ -330,16 +357,12 @@ def scatter(buf: torch.Tensor, tiles: TileTable) -> None:
 
 
 def peer_store(tiles: TileTable, args: list[torch.Tensor], mailbox: torch.Tensor, mailbox_deltas: torch.Tensor,
-               counters: torch.Tensor, me: int, world: int, capacity: int, chunk: int, head_len: int,
-               limit: int, checks: bool, phase: int = 3) -> None:
-    """Run a peer-store table, then the epoch barrier and the checks (``tiles.extra["segs"]``);
-    ``phase`` 1: stores and barrier only, 2: checks only (see ``peer_kernel``)."""
-    segs = tiles.extra["segs"]
-    interpret = _interpreting()
+               counters: torch.Tensor, me: int, world: int, capacity: int, limit: int) -> None:
+    """Run a peer-store table, then the epoch barrier (bounded by ``limit``: ns on the device,
+    spins when interpreting)."""
     kernels().peer_kernel[(tiles.num_tiles,)](
-        tiles.table, tiles.tiles, *args, mailbox, mailbox_deltas, counters, segs,
-        device_checks.status(mailbox.device), me, world, tiles.num_entries, segs.numel() // 3, capacity, chunk,
-        head_len, limit, int(checks), phase, ENTRY=TILE_FIELDS, BLOCK=BLOCK, USE_TIMER=not interpret)
+        tiles.table, tiles.tiles, *args, mailbox, mailbox_deltas, counters, device_checks.status(mailbox.device),
+        me, world, capacity, limit, ENTRY=TILE_FIELDS, BLOCK=BLOCK, USE_TIMER=not _interpreting())
 
 
 #: (device, checks) -> device table of input_kernel

@@ -12,8 +12,7 @@ Entry fields (int64; ``row_kernels.Entry`` builds them):
 
 ====  ============  ==========================================================================
  0    kind          0: rows of a cache at slots; 1: bytes of argument tensor ``x[arg]``;
-                    2: bytes at an absolute address (a cached header); 3: this rank's own rows
-                    (scatter: visited only to zero rows in conflict)
+                    2: bytes at an absolute address (a cached header)
  1    cache         cache address + the segment's base (kind 0); source address (kind 2)
  2    rows          rows of this entry (kinds 1 and 2: one)
  3    buf           byte offset in the packed buffer / mailbox chunk of row 0 of this piece
@@ -28,9 +27,9 @@ Entry fields (int64; ``row_kernels.Entry`` builds them):
 11    width         bytes per word
 12    arg           argument index (pack, peer) / alignment of the slots in the buffer (scatter)
 13    label         site label id for error reports (``pcppass.runtime.device_checks``)
-14    check         scatter: flag index of row 0 (-1: no checks); peer: slot segment number
+14    check         scatter: index of row 0's check flag (-1: no checks)
 15    rank          scatter: the rank that sent the rows
-16    any           scatter: index of the (segment, rank) summary flag
+16    segment       the slot segment the rows' slots come from (check_kernel zeroes by it)
 17..  deltas        peer: byte distance from this rank's address to each rank's replica
 ====  ============  ==========================================================================
 
@@ -60,7 +59,7 @@ F_ARG = tl.constexpr(12)
 F_LABEL = tl.constexpr(13)
 F_CHECK = tl.constexpr(14)
 F_RANK = tl.constexpr(15)
-F_ANY = tl.constexpr(16)
+F_SEGMENT = tl.constexpr(16)
 F_DELTAS = tl.constexpr(17)
 
 S_HEADER = tl.constexpr(status_words.HEADER)
@@ -76,8 +75,8 @@ S_INPUT = tl.constexpr(status_words.INPUT)
 S_INPUT_VALUE = tl.constexpr(status_words.INPUT_VALUE)
 S_OUT_OF_STEP = tl.constexpr(status_words.OUT_OF_STEP)
 
-#: summary flag of a (slot segment, rank): 0 nothing to do, 1 rows in conflict, 2 headers differ
-CONFLICTS = tl.constexpr(1)
+#: a row's check flag: 0 apply it, 1 its slot has two owners (zeroed), 2 the headers differ
+CONFLICT = tl.constexpr(1)
 HEADERS_DIFFER = tl.constexpr(2)
 #: bytes before the data of a mailbox: one int64 epoch flag per rank (written by that rank)
 MAILBOX_FLAGS = tl.constexpr(row_kernels.MAILBOX_FLAGS)
@@ -155,12 +154,6 @@ def _slot_at(anchor, addr, mask, align):
 
 
 @triton.jit
-def _slots_any_alignment(anchor, addr, mask):
-    """:func:`_slot_at` for addresses whose alignment is known only on the device."""
-    return _slot_at(anchor, addr, mask, tl.min(tl.where(mask, addr, 0x7FFFFFFFFFFFFFF8), axis=0))
-
-
-@triton.jit
 def _arg(k, x0, x1, x2, x3, x4, x5, x6, x7):
     p = x0
     if k == 1:
@@ -182,17 +175,21 @@ def _arg(k, x0, x1, x2, x3, x4, x5, x6, x7):
 
 @triton.jit
 def _cache_address(entry, slot, col, W: tl.constexpr):
-    bs = tl.load(entry + F_BS)
-    return (tl.load(entry + F_CACHE) + (slot // bs) * tl.load(entry + F_BSTRIDE)
-            + (slot % bs) * tl.load(entry + F_SSTRIDE) + col * W)
+    """Byte address of word ``col`` of the row at ``slot`` (a valid slot: below 2**31, so the
+    block arithmetic runs in 32 bits; a 64-bit division costs a hundred instructions a lane)."""
+    bs = tl.load(entry + F_BS).to(tl.int32)
+    s = slot.to(tl.int32)
+    block = s // bs
+    return (tl.load(entry + F_CACHE) + block.to(tl.int64) * tl.load(entry + F_BSTRIDE)
+            + (s - block * bs).to(tl.int64) * tl.load(entry + F_SSTRIDE) + col.to(tl.int64) * W)
 
 
 @triton.jit
 def _words(entry, first, BLOCK: tl.constexpr):
-    """Row, column and liveness of the ``BLOCK`` words of a tile starting at word ``first``."""
-    wpr = tl.load(entry + F_WPR)
-    w = first + tl.arange(0, BLOCK).to(tl.int64)
-    live = w < tl.load(entry + F_ROWS) * wpr
+    """Row, column (int32) and liveness of the ``BLOCK`` words of a tile starting at word ``first``."""
+    wpr = tl.load(entry + F_WPR).to(tl.int32)
+    w = first.to(tl.int32) + tl.arange(0, BLOCK)
+    live = w < tl.load(entry + F_ROWS).to(tl.int32) * wpr
     row = w // wpr
     return row, w - row * wpr, live
 
@@ -224,7 +221,7 @@ def _checked_slots(entry, slot, live, status, rank):
 def _pack_tile(entry, first, out, anchor, x0, x1, x2, x3, x4, x5, x6, x7, status, me,
                W: tl.constexpr, BLOCK: tl.constexpr):
     row, col, live = _words(entry, first, BLOCK)
-    dst = out.to(tl.int64) + tl.load(entry + F_BUF) + row * tl.load(entry + F_BPR) + col * W
+    dst = out.to(tl.int64) + tl.load(entry + F_BUF) + row.to(tl.int64) * tl.load(entry + F_BPR) + col * W
     kind = tl.load(entry + F_KIND)
     x = _arg(tl.load(entry + F_ARG), x0, x1, x2, x3, x4, x5, x6, x7)
     if kind == 0:
@@ -233,9 +230,9 @@ def _pack_tile(entry, first, out, anchor, x0, x1, x2, x3, x4, x5, x6, x7, status
         valid, safe = _checked_slots(entry, slot, live, status, me)
         _move(anchor, _cache_address(entry, safe, col, W), dst, valid, live, W)
     elif kind == 1:
-        _move(anchor, x.to(tl.int64) + tl.load(entry + F_SLOT) + col * W, dst, live, live, W)
+        _move(anchor, x.to(tl.int64) + tl.load(entry + F_SLOT) + col.to(tl.int64) * W, dst, live, live, W)
     else:
-        _move(anchor, tl.load(entry + F_CACHE) + col * W, dst, live, live, W)
+        _move(anchor, tl.load(entry + F_CACHE) + col.to(tl.int64) * W, dst, live, live, W)
 
 
 @triton.jit
@@ -264,80 +261,98 @@ def pack_kernel(out, table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, status, me,
 
 
 @triton.jit
-def _first_header_mismatch(buf, me, world, chunk, head_len, BLOCK: tl.constexpr):
-    """The first rank whose header bytes differ from this rank's (-1: none)."""
+def _headers_differ(base, stride, me, world, head_len, BLOCK: tl.constexpr):
+    """The first rank whose header bytes (rank r's chunk at ``base + r * stride``) differ from
+    this rank's, -1 if none. Every rank's header is loaded at once (independent loads)."""
     found = -1
+    mine_at = (base + me * stride).to(tl.pointer_type(tl.uint8))
     for r in range(world):
+        theirs_at = (base + r * stride).to(tl.pointer_type(tl.uint8))
         for h in range(0, head_len, BLOCK):
             o = h + tl.arange(0, BLOCK)
             m = o < head_len
-            theirs = tl.load(buf + r * chunk + o, mask=m, other=0)
-            mine = tl.load(buf + me * chunk + o, mask=m, other=0)
-            if (found < 0) & (tl.max((theirs != mine).to(tl.int32), axis=0) > 0):
+            differ = tl.load(theirs_at + o, mask=m, other=0) != tl.load(mine_at + o, mask=m, other=0)
+            if (found < 0) & (tl.max(differ.to(tl.int32), axis=0) > 0):
                 found = r
     return found
 
 
 @triton.jit
-def _row_conflicts(anchor, slots_at, rank, world, n, i, mi, BLOCK: tl.constexpr):
-    """For rows ``i`` of ``rank``: does another rank hold the same slot (>= 0)? ``slots_at(r)``
-    is rank r's slot address of row 0 (a tensor of one address per rank)."""
-    mine = _slots_any_alignment(anchor, tl.sum(tl.where(tl.arange(0, 8) == rank, slots_at, 0), axis=0) + 8 * i, mi)
+def _conflicting_rows(anchor, slots_at, align, rank, world, stride, n, i, mi, BLOCK_K: tl.constexpr):
+    """Rank ``rank``'s slots of rows ``i`` (rank r's slots start at ``slots_at + r * stride``) and,
+    per row, 1 when another rank holds the same slot (>= 0) in the same segment."""
+    mine = _slot_at(anchor, slots_at + rank * stride + 8 * i.to(tl.int64), mi, align)
     hit = tl.zeros(i.shape, tl.int32)
     for other in range(world):
         if other != rank:
-            base = tl.sum(tl.where(tl.arange(0, 8) == other, slots_at, 0), axis=0)
-            for k0 in range(0, n, BLOCK):
-                k = k0 + tl.arange(0, BLOCK)
+            for k0 in range(0, n, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
                 mk = k < n
-                theirs = _slots_any_alignment(anchor, base + 8 * k, mk)
-                eq = (mine[:, None] == theirs[None, :]) & mk[None, :] & (mine[:, None] >= 0) & mi[:, None]
+                theirs = _slot_at(anchor, slots_at + other * stride + 8 * k.to(tl.int64), mk, align)
+                eq = (mine[:, None] == theirs[None, :]) & mk[None, :] & (mine[:, None] >= 0)
                 hit = hit | tl.max(eq.to(tl.int32), axis=1)
-    return mine, hit
+    return mine, hit & mi.to(tl.int32)
 
 
 @triton.jit
-def _report_conflict(status, hit, slot, label, rank):
-    if tl.max(hit, axis=0) > 0:
-        tl.store(status + S_CONFLICT_SLOT, tl.max(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
-        tl.store(status + S_CONFLICT_RANK, rank)
-        tl.store(status + S_CONFLICT, label + 1)
+def _zero_rows(table, num_entries, anchor, segment, slot, rows, ENTRY: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Zero, in this rank's caches, the rows at ``slot`` where ``rows``: every table entry of
+    rows whose slots come from ``segment`` (several entries per cache are harmless: zeros)."""
+    base = anchor.to(tl.pointer_type(tl.uint8), bitcast=True)
+    for e in range(num_entries):
+        entry = table + e * ENTRY
+        if (tl.load(entry + F_KIND) == 0) & (tl.load(entry + F_SEGMENT) == segment):
+            valid = rows & (slot >= 0) & (slot < tl.load(entry + F_NSLOTS))
+            at = _cache_address(entry, tl.where(valid, slot, 0), tl.zeros_like(slot).to(tl.int32), 1)
+            length = tl.load(entry + F_WPR) * tl.load(entry + F_WIDTH)
+            for c0 in range(0, length, BLOCK_C):
+                c = c0 + tl.arange(0, BLOCK_C)
+                dst = at[:, None] + c[None, :]
+                tl.store(base + (dst - anchor.to(tl.int64)), tl.zeros(dst.shape, tl.uint8),
+                         mask=valid[:, None] & (c < length)[None, :])
 
 
 @triton.jit
-def check_kernel(buf, index, segs, flags, status, me, world, nseg, chunk, head_len, conflicts,
-                 BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Program (j, r): slot segment ``segs[j] = (segment, label, row flags of rank 0, summary
-    flags of rank 0)``, rank ``r``. If any rank's header differs from this rank's, the summary flag
-    says so (nothing is applied); else each of r's rows is flagged 1 when another rank holds the
-    same slot (two owners: every replica zeroes that row, so they stay identical). With
-    ``conflicts`` 0 only the headers are compared."""
+def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdict, table, num_entries, status,
+                 me, world, head_len, conflicts, chunks_per_rank,
+                 ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """After an exchange, on every rank: headers equal, one owner per slot.
+
+    Rank r's chunk (header, then segments) lies at ``anchor + base_offset + r * stride`` (the
+    gathered buffer), or, with ``half`` > 0, in the mailbox half of the last sync (``counters[0] %
+    2``). Program (j, q): slot segment ``segs[j] = (rows, label, flag index of rank 0's row 0,
+    byte offset of the slots in a chunk, alignment)``, rows ``BLOCK_N * (q % chunks_per_rank)...``
+    of rank ``q // chunks_per_rank``. Each row's flag: 2 when any rank's header differs from this
+    rank's (nothing may be read by offset), else 1 when another rank holds its slot (with
+    ``conflicts``): that slot is zeroed in this rank's caches here, on every rank alike, so the
+    replicas stay identical. ``verdict[0]``: 1 when the headers differ."""
     j = tl.program_id(0)
-    r = tl.program_id(1)
-    seg = tl.load(segs + 4 * j)
-    label = tl.load(segs + 4 * j + 1)
-    row_flags = tl.load(segs + 4 * j + 2)
-    summary = flags + tl.load(segs + 4 * j + 3) + r
-    differs = _first_header_mismatch(buf, me, world, chunk, head_len, BLOCK_H)
-    if differs >= 0:
-        tl.store(summary, HEADERS_DIFFER)
-        if (j == 0) & (r == 0):
+    q = tl.program_id(1)
+    r = q // chunks_per_rank
+    i = (q % chunks_per_rank) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seg = segs + 5 * j
+    n = tl.load(seg).to(tl.int32)
+    base = anchor.to(tl.int64) + base_offset + (tl.load(counters) % 2) * half
+    differs = _headers_differ(base, stride, me, world, head_len, BLOCK_H)
+    if (j == 0) & (q == 0):
+        tl.store(verdict, (differs >= 0).to(tl.int32))
+        if differs >= 0:
             tl.store(status + S_HEADER, differs + 1)
+    mi = i < n
+    flag_at = flags + tl.load(seg + 2) + r * n + i
+    if differs >= 0:
+        tl.store(flag_at, HEADERS_DIFFER, mask=mi)
     elif conflicts == 0:
-        tl.store(summary, 0)
+        tl.store(flag_at, 0, mask=mi)
     else:
-        ranks = tl.arange(0, 8)
-        slots_at = buf.to(tl.int64) + tl.load(index + (ranks * nseg + seg) * 2, mask=ranks < world, other=0)
-        n = tl.load(index + (r * nseg + seg) * 2 + 1) // 8
-        any_hit = 0
-        for i0 in range(0, n, BLOCK_N):
-            i = i0 + tl.arange(0, BLOCK_N)
-            mi = i < n
-            slot, hit = _row_conflicts(buf, slots_at, r, world, n, i, mi, BLOCK_N)
-            tl.store(flags + row_flags + r * n + i, hit.to(tl.uint8), mask=mi)
-            _report_conflict(status, hit, slot, label, r)
-            any_hit = any_hit | tl.max(hit, axis=0)
-        tl.store(summary, any_hit.to(tl.uint8))
+        slots_at = base + tl.load(seg + 3)
+        slot, hit = _conflicting_rows(anchor, slots_at, tl.load(seg + 4), r, world, stride, n, i, mi, BLOCK_K)
+        tl.store(flag_at, hit.to(tl.uint8), mask=mi)
+        if tl.max(hit, axis=0) > 0:
+            tl.store(status + S_CONFLICT_SLOT, tl.max(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
+            tl.store(status + S_CONFLICT_RANK, r)
+            tl.store(status + S_CONFLICT, tl.load(seg + 1) + 1)
+            _zero_rows(table, num_entries, anchor, j, slot, hit > 0, ENTRY, 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,40 +361,22 @@ def check_kernel(buf, index, segs, flags, status, me, world, nseg, chunk, head_l
 
 
 @triton.jit
-def _scatter_words(entry, first, buf, anchor, flags, status, summary, W: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows of a tile: applied (summary 0), or zeroed where flagged as conflicts (summary 1)."""
-    row, col, live = _words(entry, first, BLOCK)
-    rank = tl.load(entry + F_RANK)
-    slot_addr = buf.to(tl.int64) + tl.load(entry + F_SLOT) + row * 8
-    slot = _slot_at(anchor, slot_addr, live, tl.load(entry + F_ARG))
-    valid, safe = _checked_slots(entry, slot, live, status, rank)
-    dst = _cache_address(entry, safe, col, W)
-    conflict = tl.load(flags + tl.load(entry + F_CHECK) + row, mask=live & (summary == CONFLICTS), other=0) != 0
-    if tl.load(entry + F_KIND) == 0:
-        src = buf.to(tl.int64) + tl.load(entry + F_BUF) + row * tl.load(entry + F_BPR) + col * W
-        _move(anchor, src, dst, valid & ~conflict, valid, W)
-    else:
-        _zero(anchor, dst, valid & conflict, W)
-
-
-
-@triton.jit
 def _scatter_tile(entry, first, buf, anchor, flags, status, W: tl.constexpr, BLOCK: tl.constexpr):
-    summary = 0
-    if tl.load(entry + F_ANY) >= 0:
-        summary = tl.load(flags + tl.load(entry + F_ANY)).to(tl.int32)
-    if first >= 0:
-        if summary != HEADERS_DIFFER:
-            _scatter_words(entry, first, buf, anchor, flags, status, summary, W, BLOCK)
-    elif summary == CONFLICTS:  # this rank's own rows: only conflicting ones change (to zeros)
-        for start in range(0, tl.load(entry + F_ROWS) * tl.load(entry + F_WPR), BLOCK):
-            _scatter_words(entry, start, buf, anchor, flags, status, summary, W, BLOCK)
+    row, col, live = _words(entry, first, BLOCK)
+    slot_addr = buf.to(tl.int64) + tl.load(entry + F_SLOT) + row.to(tl.int64) * 8
+    slot = _slot_at(anchor, slot_addr, live, tl.load(entry + F_ARG))
+    valid, safe = _checked_slots(entry, slot, live, status, tl.load(entry + F_RANK))
+    flag_at = tl.load(entry + F_CHECK)
+    skip = tl.load(flags + flag_at + row, mask=live & (flag_at >= 0), other=0) != 0
+    src = buf.to(tl.int64) + tl.load(entry + F_BUF) + row.to(tl.int64) * tl.load(entry + F_BPR) + col * W
+    apply = valid & ~skip
+    _move(anchor, src, _cache_address(entry, safe, col, W), apply, apply, W)
 
 
 @triton.jit
 def scatter_kernel(buf, table, tiles, flags, status, ENTRY: tl.constexpr, BLOCK: tl.constexpr):
-    """Program t: tile ``tiles[t] = (entry, first word)``; first word -1: an entry of this rank's
-    own rows, visited only to zero rows in conflict."""
+    """Program t: tile ``tiles[t] = (entry, first word)`` of rows another rank sent; rows whose
+    check flag is set (two owners: zeroed by ``check_kernel``; headers differ) are skipped."""
     t = tl.program_id(0)
     entry = table + tl.load(tiles + 2 * t) * ENTRY
     first = tl.load(tiles + 2 * t + 1)
@@ -450,8 +447,8 @@ def _peer_tile(entry, first, anchor, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr,
                 _store_words(anchor, src + tl.load(entry + F_DELTAS + q), v, valid, W)
     else:  # header and payload bytes: this rank's chunk of every rank's mailbox (its own too)
         start = tl.where(kind == 1, x.to(tl.int64) + tl.load(entry + F_SLOT), tl.load(entry + F_CACHE))
-        v = _load_words(anchor, start + col * W, live, W)
-        dst = chunk_addr + tl.load(entry + F_BUF) + col * W
+        v = _load_words(anchor, start + col.to(tl.int64) * W, live, W)
+        dst = chunk_addr + tl.load(entry + F_BUF) + col.to(tl.int64) * W
         for q in range(world):
             _store_words(anchor, dst + tl.load(entry + F_DELTAS + q), v, live, W)
 
@@ -491,103 +488,38 @@ def _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, U
 
 
 @triton.jit
-def _zero_conflicting_rows(table, num_entries, anchor, box, chunk, seg, j, me, world, n,
-                           ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Slow path (rows in conflict): every replica zeroes, in its own caches, every row whose slot
-    two ranks wrote, so the replicas stay identical. ``seg``: byte offset of the slots in a chunk."""
-    ranks = tl.arange(0, 8)
-    slots_at = box + ranks * chunk + seg
-    for e in range(num_entries):
-        entry = table + e * ENTRY
-        if (tl.load(entry + F_KIND) == 0) & (tl.load(entry + F_CHECK) == j):
-            length = tl.load(entry + F_WPR) * tl.load(entry + F_WIDTH)
-            for r in range(world):
-                for i0 in range(0, n, BLOCK_N):
-                    i = i0 + tl.arange(0, BLOCK_N)
-                    mi = i < n
-                    slot, hit = _row_conflicts(anchor, slots_at, r, world, n, i, mi, BLOCK_N)
-                    num_slots = tl.load(entry + F_NSLOTS)
-                    rows = (hit > 0) & (slot >= 0) & (slot < num_slots)
-                    at = _cache_address(entry, tl.where(rows, slot, 0), 0, 1)
-                    for c0 in range(0, length, BLOCK_C):
-                        c = c0 + tl.arange(0, BLOCK_C)
-                        dst = at[:, None] + c[None, :]
-                        base = anchor.to(tl.pointer_type(tl.uint8), bitcast=True)
-                        tl.store(base + (dst - anchor.to(tl.int64)), tl.zeros(dst.shape, tl.uint8),
-                                 mask=rows[:, None] & (c < length)[None, :])
-
-
-@triton.jit
-def _peer_checks(table, num_entries, anchor, box, segs, num_segs, status, me, world, chunk, head_len,
-                 ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
-    """After the barrier: every rank's header (in this rank's mailbox) must equal this rank's, and
-    no slot may have two owners (``segs[j] = (slots byte offset in a chunk, rows, label)``)."""
-    differs = _first_header_mismatch(box.to(tl.pointer_type(tl.uint8)), me, world, chunk, head_len, BLOCK_H)
-    if differs >= 0:
-        tl.store(status + S_HEADER, differs + 1)
-    else:
-        ranks = tl.arange(0, 8)
-        for j in range(num_segs):
-            seg = tl.load(segs + 3 * j)
-            n = tl.load(segs + 3 * j + 1)
-            slots_at = box + ranks * chunk + seg
-            any_hit = 0
-            for r in range(world):
-                for i0 in range(0, n, BLOCK_N):
-                    i = i0 + tl.arange(0, BLOCK_N)
-                    mi = i < n
-                    slot, hit = _row_conflicts(anchor, slots_at, r, world, n, i, mi, BLOCK_N)
-                    _report_conflict(status, hit, slot, tl.load(segs + 3 * j + 2), r)
-                    any_hit = any_hit | tl.max(hit, axis=0)
-            if any_hit > 0:
-                _zero_conflicting_rows(table, num_entries, anchor, box, chunk, seg, j, me, world, n,
-                                       ENTRY, BLOCK_N, 64)
-
-
-@triton.jit
-def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_deltas, counters, segs,
-                status, me, world, num_entries, num_segs, capacity, chunk, head_len, limit, checks, phase,
-                ENTRY: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr):
+def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_deltas, counters, status,
+                me, world, capacity, limit, ENTRY: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr):
     """Program t stores tile ``tiles[t]`` into every peer; the last program to finish raises the
-    epoch flag in every peer's mailbox, waits for theirs, then checks headers and slot conflicts.
+    epoch flag in every peer's mailbox and waits for theirs (``check_kernel`` then checks).
 
     ``counters``: [epoch, programs arrived] in this rank's memory. The epoch of this call is
     ``counters[0] + 1`` for every program: only the last program advances it, after all arrived.
     Mailbox chunks alternate between two halves by epoch parity, so a peer one sync ahead never
-    overwrites a chunk this rank still checks. ``phase``: 3 on the device (stores and barrier, then
-    checks); a simulation of several ranks in one process runs every rank with 1, then with 2
-    (checks only, on the epoch the stores used).
+    overwrites a chunk this rank still reads.
     """
     t = tl.program_id(0)
     entry = table + tl.load(tiles + 2 * t) * ENTRY
     first = tl.load(tiles + 2 * t + 1)
-    stores = (phase & 1) != 0
-    epoch = tl.load(counters) + stores.to(tl.int64)
-    data = mailbox.to(tl.int64) + MAILBOX_FLAGS + (epoch % 2) * world * capacity
-    if stores:
-        chunk_addr = data + me * capacity
-        width = tl.load(entry + F_WIDTH)
-        if width == 16:
-            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 16, BLOCK)
-        elif width == 8:
-            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 8, BLOCK)
-        elif width == 4:
-            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 4, BLOCK)
-        elif width == 2:
-            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 2, BLOCK)
-        else:
-            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 1, BLOCK)
+    epoch = tl.load(counters) + 1
+    chunk_addr = mailbox.to(tl.int64) + MAILBOX_FLAGS + ((epoch % 2) * world + me) * capacity
+    width = tl.load(entry + F_WIDTH)
+    if width == 16:
+        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 16, BLOCK)
+    elif width == 8:
+        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 8, BLOCK)
+    elif width == 4:
+        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 4, BLOCK)
+    elif width == 2:
+        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 2, BLOCK)
+    else:
+        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 1, BLOCK)
     tl.debug_barrier()
     done = tl.atomic_add(counters + 1, 1, sem="acq_rel", scope="sys")
     if done == tl.num_programs(0) - 1:
         tl.store(counters + 1, 0)
-        arrived = 1
-        if stores:
-            tl.store(counters, epoch)
-            arrived = _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, USE_TIMER)
-        if (arrived == 1) & (checks != 0) & ((phase & 2) != 0):
-            _peer_checks(table, num_entries, table, data, segs, num_segs, status, me, world, capacity,
-                         head_len, ENTRY, 64, 256)
+        tl.store(counters, epoch)
+        _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, USE_TIMER)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -230,15 +230,10 @@ def _headers_differ(gathered: torch.Tensor, index: torch.Tensor, me: int) -> tor
     """A device bool: does any rank's header differ from this rank's (also recorded in the status)."""
     world = index.shape[0]
     key = ("headers", gathered.device, world, index.data_ptr())
-
-    def build():
-        return [], {"segs": torch.tensor([[0, 0, 0, 0]], dtype=torch.int64),
-                    "flags": torch.zeros(world, dtype=torch.uint8)}
-
-    tiles = row_kernels.tile_table(key, gathered.device, build)
-    row_kernels.check(gathered, index, tiles, me, world, gathered.numel() // world, header_bytes(index.shape[1]),
-                      False)
-    return tiles.extra["flags"][:1] != 0
+    tiles = row_kernels.tile_table(key, gathered.device, lambda: ([], row_kernels.check_tables([], world)))
+    row_kernels.check(row_kernels.Chunks(gathered, 0, gathered.numel() // world), tiles, me, world,
+                      header_bytes(index.shape[1]), False)
+    return tiles.extra["verdict"][:1] != 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,22 +338,22 @@ def scatter_rows_all(
     world = len(table)
     checks = verify or check_conflicts
     segs = _slot_segments(slots_segments)
+    chunk = gathered.numel() // world
     rows_per_seg = [table[0][seg][1] // 8 for seg in segs]
 
     def build():
-        flag_base, summary_base = [], []
-        at = len(segs) * world  # summary flags first, then every segment's row flags
-        for j, n in enumerate(rows_per_seg):
-            summary_base.append(j * world)
-            flag_base.append(at)
-            at += world * n
+        extra = row_kernels.check_tables(
+            [(n, device_checks.label(labels[slots_segments.index(seg)]), table[0][seg][0],
+              row_kernels.word_width(gathered.data_ptr() + table[0][seg][0], chunk, 8))
+             for seg, n in zip(segs, rows_per_seg)], world)
+        flag_base = extra["segs"][:, 2].tolist()
         entries = []
         for cache, addr, rs, ss, lay, site in zip(caches, addressings, rows_segments, slots_segments, decoded,
                                                   labels):
             j = segs.index(ss)
             what = device_checks.label(site)
             for r in range(world):
-                if r == me and not check_conflicts:
+                if r == me:
                     continue
                 rows_offset, rows_size = table[r][rs]
                 slots_offset, slots_size = table[r][ss]
@@ -368,25 +363,20 @@ def scatter_rows_all(
                                      f"of {lay.bytes_per_row} bytes")
                 for piece in row_kernels.pieces(cache, addr):
                     entries.append(row_kernels.rows_entry(
-                        piece, kind=row_kernels.OWN_ROWS if r == me else row_kernels.ROWS, rows=n,
-                        buf=rows_offset + piece.packed, slot=slots_offset,
+                        piece, rows=n, buf=rows_offset + piece.packed, slot=slots_offset,
                         arg=row_kernels.word_width(gathered.data_ptr() + slots_offset, 8), label=what,
-                        check=flag_base[j] + r * n if checks else -1, rank=r,
-                        summary=summary_base[j] + r if checks else -1,
+                        check=flag_base[j] + r * n if checks else -1, rank=r, segment=j,
                         aligned_with=(gathered.data_ptr(), rows_offset + piece.packed, lay.bytes_per_row)))
-        seg_rows = [[seg, device_checks.label(labels[slots_segments.index(seg)]), flag_base[j], summary_base[j]]
-                    for j, seg in enumerate(segs)]
-        return entries, {"segs": torch.tensor(seg_rows, dtype=torch.int64),
-                         "flags": torch.zeros(max(at, 1), dtype=torch.uint8)}
+        return entries, extra
 
     # a cached segment table is identified by its address; any other is identified by its values
     where = index.data_ptr() if host_known else str(table)
     key = ("scatter", row_kernels.cache_key(caches), tuple(layouts), tuple(rows_segments), tuple(slots_segments),
-           me, where, checks, check_conflicts, gathered.data_ptr() % 16, sites)
+           me, where, checks, gathered.data_ptr() % 16, sites)
     tiles = row_kernels.tile_table(key, gathered.device, build)
     if checks:
-        chunk = gathered.numel() // world
-        row_kernels.check(gathered, index, tiles, me, world, chunk, header_bytes(index.shape[1]), check_conflicts)
+        row_kernels.check(row_kernels.Chunks(gathered, 0, chunk), tiles, me, world, header_bytes(index.shape[1]),
+                          check_conflicts)
     row_kernels.scatter(gathered, tiles)
 
 
