@@ -32,8 +32,8 @@ def _(key, value, key_cache, value_cache, slot_mapping) -> None:
 KV_STORE = WritePattern(
     name="test_kv_store",
     ops=("pcppass_test::kv_store",),
-    caches=(CacheRole("key_cache", "slot_mapping", PagedRows()),
-            CacheRole("value_cache", "slot_mapping", PagedRows())),
+    caches=(CacheRole("key_cache", slots="slot_mapping", layout=PagedRows()),
+            CacheRole("value_cache", slots="slot_mapping", layout=PagedRows())),
     row_args={"key": 0, "value": 0, "slot_mapping": 0},
     recipe=Recipe.COPY_ROWS,
 )

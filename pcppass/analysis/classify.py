@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from pcppass.analysis.records import StateWrite, Uncovered
 from pcppass.analysis.views import is_base_flattened_paged, node_value
 from pcppass.registry import pattern_for_family, pattern_for_op
-from pcppass.spec import CacheRole, ResolvedLayout, WritePattern
+from pcppass.spec import SYNC_LAYOUT_KINDS, CacheRole, IndexedDim, ResolvedLayout, RowLayout, WritePattern
 
 #: In-place aten families that select rows through an index or mask: a row write in principle,
 #: but with no pattern describing which argument addresses the rows.
@@ -96,20 +96,33 @@ def _uncovered(record: StateWrite, reason: Uncovered, detail: str) -> None:
     record.layout = None
 
 
-def _resolve(record: StateWrite, role: CacheRole, written_value: torch.Tensor) -> None:
+def _resolve(record: StateWrite, layout: RowLayout, written_value: torch.Tensor) -> None:
     try:
-        record.layout = role.layout.resolve(
+        resolved = layout.resolve(
             _static_shape(written_value.shape),
             written_value.element_size(),
             _layout_args(record.bound_args),
         )
     except _DynamicSize as exc:
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
-                   f"{role.layout.kind} layout of {record.arg} needs the size {exc}, which is dynamic")
+                   f"{layout.kind} layout of {record.arg} needs the size {exc}, which is dynamic")
+        return
     except (ValueError, KeyError, IndexError, TypeError, ZeroDivisionError) as exc:
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
-                   f"{role.layout.kind} layout does not fit {record.arg} "
+                   f"{layout.kind} layout does not fit {record.arg} "
                    f"{list(written_value.shape)}: {exc}")
+        return
+    if resolved.kind not in SYNC_LAYOUT_KINDS:
+        _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
+                   f"{type(layout).__name__} resolved to a {resolved.kind!r} layout; the replica sync "
+                   f"copies only {', '.join(sorted(SYNC_LAYOUT_KINDS))} rows")
+        return
+    record.layout = resolved
+
+
+def _missing_arguments(record: StateWrite, pattern: WritePattern) -> list[str]:
+    """Arguments the pattern names that the op's schema does not have (a typo in the pattern)."""
+    return [a for a in pattern.arguments() if a not in record.bound_args]
 
 
 def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
@@ -124,14 +137,13 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
                        f"{record.op} updates {record.state} as a whole, not rows addressed by a "
                        f"slot mapping (e.g. a counter every rank bumps)")
         return
-    role = cache_role(record)
     written = node_value(record.written_node)
     if family == "index_copy_":
         dim = record.bound_args.get("dim")
         if not isinstance(dim, int):
             _uncovered(record, Uncovered.UNKNOWN_LAYOUT, f"index_copy_ along a non-constant dim {dim}")
             return
-        _resolve(record, CacheRole(role.arg, role.slots, type(role.layout)(dim=dim)), written)
+        _resolve(record, IndexedDim(dim=dim), written)
         return
     # setitem / index_put_: exactly one integer index tensor, after full slices only
     index = record.bound_args.get("indices")
@@ -170,7 +182,7 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
             return
         record.layout = ResolvedLayout("paged_rows", int(block_size), row_bytes)
         return
-    _resolve(record, CacheRole(role.arg, role.slots, type(role.layout)(dim=dim)), written)
+    _resolve(record, IndexedDim(dim=dim), written)
 
 
 def classify_write(record: StateWrite) -> StateWrite:
@@ -206,12 +218,19 @@ def classify_write(record: StateWrite) -> StateWrite:
                    f"pattern {pattern.name} declares no cache role for argument {record.arg} "
                    f"of {record.op}")
         return record
+    missing = _missing_arguments(record, pattern)
+    if missing:
+        known = ", ".join(record.bound_args) or "none that bind"
+        _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
+                   f"pattern {pattern.name} names argument(s) {', '.join(map(repr, missing))} that "
+                   f"{record.op} does not have (its arguments: {known})")
+        return record
     if not isinstance(record.bound_args.get(role.slots), torch.fx.Node):
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
                    f"pattern {pattern.name}: slot argument {role.slots!r} of {record.op} "
                    f"is not a tensor in the graph")
         return record
-    _resolve(record, role, node_value(record.written_node))
+    _resolve(record, role.layout, node_value(record.written_node))
     return record
 
 

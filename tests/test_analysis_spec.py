@@ -1,0 +1,138 @@
+"""The pattern language cannot be built wrong: positional traps, type checks, names that the op's
+schema does not have, and every built-in pattern against the schemas of its ops."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import pcppass.kernels  # noqa: F401  (registers the pcppass ops)
+from pcppass.analysis import Uncovered, find_state_writes
+from pcppass.analysis.trace import StepInputs, capture_graph
+from pcppass.registry import all_patterns, register_pattern, unregister_pattern
+from pcppass.spec import (
+    BlockSplit, ByArgValue, CacheRole, IndexedDim, PagedRows, Recipe, RowLayout, WritePattern,
+)
+
+
+@torch.library.custom_op("pcppass_spec::store_dim1", mutates_args=("cache",))
+def store_dim1(src: torch.Tensor, cache: torch.Tensor, index: torch.Tensor) -> None:
+    cache.index_copy_(1, index, src)
+
+
+@store_dim1.register_fake
+def _(src, cache, index) -> None:
+    return None
+
+
+class StoreDim1(torch.nn.Module):
+    def forward(self, src, index, cache):
+        torch.ops.pcppass_spec.store_dim1(src, cache, index)
+        return src.sum()
+
+
+def _store_dim1_writes(layout: RowLayout, slots: str = "index"):
+    pattern = register_pattern(WritePattern(
+        "spec.store_dim1", ops=("pcppass_spec::store_dim1",),
+        caches=(CacheRole("cache", slots=slots, layout=layout),), row_args={"src": 1, "index": 0},
+    ), replace=True)
+    try:
+        src, index, cache = torch.randn(2, 3, 16), torch.tensor([4, 9, 1]), torch.zeros(2, 32, 16)
+        return find_state_writes(capture_graph(StoreDim1(), StepInputs((src, index, cache))))
+    finally:
+        unregister_pattern(pattern.name)
+
+
+def test_indexed_dim_positional_is_the_dim():
+    assert IndexedDim(1) == IndexedDim(dim=1) and IndexedDim(1).dim == 1
+    (w,) = _store_dim1_writes(IndexedDim(1))
+    # rows along dim 1 of a [2, 32, 16] fp32 cache: 32 rows of 2 * 16 floats
+    assert w.covered and (w.layout.kind, w.layout.dim, w.layout.block_size) == ("indexed_dim", 1, 32)
+    assert w.bytes_per_row == 2 * 16 * 4
+
+
+def test_kind_is_a_class_constant_not_a_field():
+    assert [f.name for f in dataclasses.fields(IndexedDim)] == ["dim"]
+    assert [f.name for f in dataclasses.fields(PagedRows)] == []
+    assert (PagedRows.kind, BlockSplit.kind, IndexedDim.kind, ByArgValue.kind) == (
+        "paged_rows", "block_split", "indexed_dim", "by_arg_value")
+    with pytest.raises(TypeError):
+        PagedRows(kind="indexed_dim")
+
+
+def test_by_arg_value_positional_reads_the_argument():
+    layout = ByArgValue("kv_cache_dtype", (("auto", PagedRows()), ("fp8", IndexedDim(0))))
+    assert layout.arg == "kv_cache_dtype" and layout.cases[1] == ("fp8", IndexedDim(0))
+    assert ByArgValue("mode", {"a": PagedRows()}).cases == (("a", PagedRows()),)
+    resolved = layout.resolve((4, 8, 2, 16), 2, {"kv_cache_dtype": "auto"})
+    assert (resolved.kind, resolved.block_size, resolved.bytes_per_row) == ("paged_rows", 8, 64)
+
+
+@pytest.mark.parametrize("build,error,needle", [
+    (lambda: BlockSplit("k", "quant_block_size"), TypeError, "positional"),
+    (lambda: BlockSplit(value_arg=""), TypeError, "value_arg"),
+    (lambda: IndexedDim("1"), TypeError, "int"),
+    (lambda: IndexedDim(True), TypeError, "int"),
+    (lambda: ByArgValue("kv_cache_dtype", ()), TypeError, "non-empty"),
+    (lambda: ByArgValue("kv_cache_dtype", (("auto", PagedRows),)), TypeError, "layout instance"),
+    (lambda: ByArgValue("kv_cache_dtype", (("a", PagedRows()), ("a", PagedRows()))), ValueError, "repeats"),
+    (lambda: ByArgValue(("auto", PagedRows()), "kv_cache_dtype"), TypeError, "arg"),
+    (lambda: CacheRole("kv", "slots"), TypeError, "positional"),
+    (lambda: CacheRole("kv", slots=""), TypeError, "slots"),
+    (lambda: CacheRole("kv", slots="s", layout=PagedRows), TypeError, "PagedRows()"),
+    (lambda: CacheRole("kv", slots="s", layout="paged"), TypeError, "RowLayout"),
+    (lambda: WritePattern("p", ("a::b",), ()), TypeError, "positional"),
+    (lambda: WritePattern("p", ops="a::op", caches=(CacheRole("kv", slots="s"),)), TypeError, "tuple of names"),
+    (lambda: WritePattern("p", ops=("op",), caches=(CacheRole("kv", slots="s"),)), ValueError, "namespace::op"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=CacheRole("kv", slots="s")), TypeError, "caches"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=()), TypeError, "caches"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=(CacheRole("kv", slots="s"),) * 2), ValueError, "two cache roles"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=(CacheRole("kv", slots="s"),), row_args={"x": "0"}),
+     TypeError, "row_args"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=(CacheRole("kv", slots="s"),), recipe="copy"),
+     ValueError, "copy"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=(CacheRole("kv", slots="s"),), recipe=Recipe.RERUN),
+     ValueError, "row_args"),
+    (lambda: WritePattern("", ops=("a::op",), caches=(CacheRole("kv", slots="s"),)), TypeError, "name"),
+])
+def test_wrong_constructions_raise(build, error, needle):
+    with pytest.raises(error, match=None) as info:
+        build()
+    assert needle in str(info.value)
+
+
+def test_recipe_given_as_its_value_is_the_enum():
+    p = WritePattern("p", ops=("a::op",), caches=(CacheRole("kv", slots="s"),), recipe="rerun",
+                     row_args={"s": 0})
+    assert p.recipe is Recipe.RERUN and p.ops == ("a::op",)
+
+
+def test_slot_argument_missing_from_the_schema_is_uncovered_and_named():
+    (w,) = _store_dim1_writes(IndexedDim(1), slots="slot_mapping")
+    assert not w.covered and w.reason is Uncovered.UNKNOWN_LAYOUT
+    assert "'slot_mapping'" in w.detail and "pcppass_spec::store_dim1" in w.detail
+    assert "src, cache, index" in w.detail
+
+
+def test_layout_argument_missing_from_the_schema_is_uncovered():
+    (w,) = _store_dim1_writes(BlockSplit(value_arg="k", quant_block_arg="qbs"))
+    assert not w.covered and "'k', 'qbs'" in w.detail
+
+
+def test_every_builtin_pattern_names_only_arguments_of_its_ops():
+    """Each pattern's roles, slots, layout and row arguments exist in every registered schema."""
+    checked = 0
+    for pattern in all_patterns():
+        for op in pattern.ops:
+            ns, _, name = op.partition("::")
+            if pattern.aten_family is not None or not hasattr(getattr(torch.ops, ns), name):
+                continue  # aten spellings bind per call; vLLM's own ops are not registered here
+            packet = getattr(getattr(torch.ops, ns), name)
+            for overload in packet.overloads():
+                schema = getattr(packet, overload)._schema
+                names = {a.name for a in schema.arguments}
+                assert set(pattern.arguments()) <= names, (pattern.name, schema)
+                checked += 1
+    assert checked >= 7
