@@ -11,8 +11,8 @@ Example (the whole GQA K/V family)::
     register_pattern(WritePattern(
         name="reshape_and_cache_flash",
         ops=("pcppass::reshape_and_cache_flash", "_C_cache_ops::reshape_and_cache_flash"),
-        caches=(CacheRole("key_cache", slots="slot_mapping", layout=PagedRows()),
-                CacheRole("value_cache", slots="slot_mapping", layout=PagedRows())),
+        caches=(CacheRole("key_cache", slots="slot_mapping", layout=PagedRows(), values=("key",)),
+                CacheRole("value_cache", slots="slot_mapping", layout=PagedRows(), values=("value",))),
         row_args={"key": 0, "value": 0, "slot_mapping": 0},
         recipe=Recipe.COPY_ROWS,
     ))
@@ -220,13 +220,18 @@ class ByArgValue(RowLayout):
 class CacheRole:
     """One cache an op writes: the argument holding it, its slot mapping and its layout.
 
-    ``CacheRole("key_cache", slots="slot_mapping", layout=PagedRows())``: ``slots`` and ``layout``
-    are keyword-only (``arg`` and ``slots`` are both names).
+    ``CacheRole("key_cache", slots="slot_mapping", layout=PagedRows(), values=("key",))``:
+    ``slots``, ``layout`` and ``values`` are keyword-only (``arg`` and ``slots`` are both names).
+    ``values`` names the arguments whose rows the op stores into one cache row, element for element
+    in the cache's dtype (their row dim from ``WritePattern.row_args``, else 0); the audit then
+    checks the layout's bytes per row against them. Leave it empty when a row is not a plain copy of
+    its inputs (a quantised row with scales computed from the data).
     """
 
     arg: str
     slots: str = field(kw_only=True)
     layout: RowLayout = field(default_factory=PagedRows, kw_only=True)
+    values: tuple[str, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         _require_name("CacheRole", "arg", self.arg)
@@ -236,10 +241,11 @@ class CacheRole:
                             f"not the class")
         if not isinstance(self.layout, RowLayout):
             raise TypeError(f"CacheRole.layout must be a RowLayout, got {self.layout!r}")
+        object.__setattr__(self, "values", _require_names("CacheRole", "values", self.values))
 
     def arguments(self) -> tuple[str, ...]:
         """Every op argument this role names (checked against the op's schema)."""
-        return tuple(dict.fromkeys((self.arg, self.slots, *self.layout.arguments())))
+        return tuple(dict.fromkeys((self.arg, self.slots, *self.values, *self.layout.arguments())))
 
 
 @dataclass(frozen=True)
@@ -308,7 +314,7 @@ class WritePattern:
             "name": self.name,
             "ops": list(self.ops),
             "caches": [
-                [c.arg, c.slots, type(c.layout).__name__, repr(c.layout)]
+                [c.arg, c.slots, type(c.layout).__name__, repr(c.layout), list(c.values)]
                 for c in self.caches
             ],
             "row_args": dict(self.row_args),

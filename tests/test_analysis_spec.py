@@ -136,3 +136,63 @@ def test_every_builtin_pattern_names_only_arguments_of_its_ops():
                 assert set(pattern.arguments()) <= names, (pattern.name, schema)
                 checked += 1
     assert checked >= 7
+
+
+# ----------------------------------------------------------------------------- bytes per row
+
+
+@torch.library.custom_op("pcppass_spec::store_key_half", mutates_args=("cache",))
+def store_key_half(key: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    live = slots >= 0
+    cache.flatten(0, 1)[slots[live], 0] = key[live]  # only the first of two heads
+
+
+@store_key_half.register_fake
+def _(key, cache, slots) -> None:
+    return None
+
+
+class StoreKeyHalf(torch.nn.Module):
+    def forward(self, key, slots, cache):
+        torch.ops.pcppass_spec.store_key_half(key, cache, slots)
+        return key.sum()
+
+
+def test_layout_wider_than_the_written_row_is_uncovered_with_both_numbers():
+    pattern = register_pattern(WritePattern(
+        "spec.store_key_half", ops=("pcppass_spec::store_key_half",),
+        caches=(CacheRole("cache", slots="slots", layout=PagedRows(), values=("key",)),),
+        row_args={"key": 0, "slots": 0},
+    ))
+    try:
+        key, slots, cache = torch.randn(5, 16), torch.arange(5), torch.zeros(4, 8, 2, 16)
+        (w,) = find_state_writes(capture_graph(StoreKeyHalf(), StepInputs((key, slots, cache))))
+    finally:
+        unregister_pattern(pattern.name)
+    # the paged layout's row is [2, 16] fp32 = 128 B; the op writes key rows of 16 floats = 64 B
+    assert not w.covered and w.reason is Uncovered.ROW_BYTES_MISMATCH
+    assert "writes 64 B per row" in w.detail and "addresses 128 B per row" in w.detail
+    assert "key [s" in w.detail or "key [5" in w.detail
+    assert w.written_bytes_per_row == 64 and w.layout is None
+
+
+def test_wrong_indexed_dim_is_caught_by_the_written_rows():
+    """The trap of the issue: IndexedDim on the wrong dim resolves, but the bytes do not match."""
+    def with_values(layout):
+        pattern = register_pattern(WritePattern(
+            "spec.store_dim1", ops=("pcppass_spec::store_dim1",),
+            caches=(CacheRole("cache", slots="index", layout=layout, values=("src",)),),
+            row_args={"src": 1, "index": 0},
+        ), replace=True)
+        try:
+            src, index, cache = torch.randn(2, 3, 16), torch.tensor([4, 9, 1]), torch.zeros(2, 32, 16)
+            (w,) = find_state_writes(capture_graph(StoreDim1(), StepInputs((src, index, cache))))
+            return w
+        finally:
+            unregister_pattern(pattern.name)
+
+    wrong = with_values(IndexedDim(0))
+    assert wrong.reason is Uncovered.ROW_BYTES_MISMATCH
+    assert "writes 128 B per row" in wrong.detail and "addresses 2048 B per row" in wrong.detail
+    right = with_values(IndexedDim(1))
+    assert right.covered and right.bytes_per_row == right.written_bytes_per_row == 128

@@ -104,6 +104,8 @@ def test_mixed_module_every_write_found_and_classified():
     assert writes[3].layout.kind == "paged_rows" and writes[3].layout.block_size == 8
     assert writes[4].layout.kind == "indexed_dim" and writes[4].layout.dim == 1
     assert writes[5].layout.dim == 1 and writes[5].layout.block_size == 64
+    # aten writes: the bytes per row come from the source / values shape and match the layout
+    assert [w.written_bytes_per_row for w in writes if w.covered] == [None, None, 128, 128, 128]
     assert writes[0].bound_args["slot_mapping"].name == "l_slots_"
     assert all(w.source.endswith(".py:" + w.source.rsplit(":", 1)[1]) for w in writes)
     assert "test_analysis_state_writes.py" in writes[2].source

@@ -8,14 +8,17 @@ Order of the checks, each an early return with its reason:
 3. the written tensor is a view the rewrite cannot invert;
 4. the layout does not resolve on the written tensor (wrong rank, sizes that depend on a dynamic
    dim, an index form that is not one row index): unknown layout;
-5. covered: ``record.pattern`` and ``record.layout`` (bytes per row) are set.
+5. the bytes per row the op writes (from the written value's shape and dtype: ``source`` of
+   ``index_copy_``, ``values`` of ``index_put_`` / setitem, a pattern role's declared ``values``)
+   differ from the layout's bytes per row: row bytes mismatch, with both numbers;
+6. covered: ``record.pattern`` and ``record.layout`` (bytes per row) are set.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from pcppass.analysis.records import StateWrite, Uncovered
 from pcppass.analysis.views import is_base_flattened_paged, node_value
@@ -125,6 +128,71 @@ def _missing_arguments(record: StateWrite, pattern: WritePattern) -> list[str]:
     return [a for a in pattern.arguments() if a not in record.bound_args]
 
 
+def _row_elements(shape, row_dim: int) -> object:
+    """Elements of one row of ``shape`` (every dim but ``row_dim``); symbolic where a dim is."""
+    n = 1
+    for i, d in enumerate(shape):
+        if i != row_dim % len(shape):
+            n = n * d
+    return n
+
+
+def _broadcast_row_elements(value_shape, target_shape, row_dim: int) -> object:
+    """Elements per row of ``value`` broadcast against the indexed result ``target_shape``."""
+    padded = [1] * (len(target_shape) - len(value_shape)) + list(value_shape)
+    full = [t if statically_known_true(v == 1) else v for v, t in zip(padded, target_shape)]
+    return _row_elements(full, row_dim)
+
+
+def _written_row_elements(record: StateWrite, role: CacheRole) -> tuple[object, str] | None:
+    """Elements of one cache row the op writes and where that comes from; None if unknown."""
+    written = node_value(record.written_node)
+    layout = record.layout
+    if record.family == "index_copy_":
+        source = node_value(record.bound_args.get("source"))
+        if not isinstance(source, torch.Tensor) or source.dim() != written.dim():
+            return None
+        return _row_elements(source.shape, layout.dim), f"source {list(source.shape)}"
+    if record.family in ("setitem", "index_put_"):
+        values = node_value(record.bound_args.get("values"))
+        if not isinstance(values, torch.Tensor):
+            return None  # a Python scalar fills whole rows
+        if layout.kind == "paged_rows":  # a flattened paged view: row i of the view is slot i
+            target, dim = list(written.shape), 0
+        else:
+            target, dim = list(written.shape), layout.dim
+        return _broadcast_row_elements(values.shape, target, dim), f"values {list(values.shape)}"
+    if not role.values:
+        return None
+    total, parts = 0, []
+    for name in role.values:
+        value = node_value(record.bound_args.get(name))
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return None
+        total = total + _row_elements(value.shape, record.pattern.row_args.get(name, 0))
+        parts.append(f"{name} {list(value.shape)}")
+    return total, " + ".join(parts)
+
+
+def _check_row_bytes(record: StateWrite, role: CacheRole) -> None:
+    """Uncover a write whose layout addresses other bytes per row than the op writes."""
+    found = _written_row_elements(record, role)
+    if found is None:
+        return
+    elements, what = found
+    itemsize = node_value(record.written_node).element_size()
+    written = elements * itemsize
+    record.written_bytes_per_row = int(written) if is_concrete_int(written) else written
+    if statically_known_true(written == record.layout.bytes_per_row):
+        return
+    layout = record.layout
+    _uncovered(record, Uncovered.ROW_BYTES_MISMATCH,
+               f"{record.op} at {record.source} writes {record.written_bytes_per_row} B per row of "
+               f"{record.state} ({what}, {itemsize} B per cache element), but pattern "
+               f"{record.pattern.name}'s {layout.kind} layout addresses {layout.bytes_per_row} B per "
+               f"row: the sync would copy the wrong bytes (check the layout's dim or shape)")
+
+
 def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
     family = record.family or ""
     if pattern is None:
@@ -211,6 +279,8 @@ def classify_write(record: StateWrite) -> StateWrite:
         return record
     if record.family is not None:
         _classify_family(record, pattern)
+        if record.layout is not None:
+            _check_row_bytes(record, cache_role(record))
         return record
     role = cache_role(record)
     if role is None:
@@ -231,6 +301,8 @@ def classify_write(record: StateWrite) -> StateWrite:
                    f"is not a tensor in the graph")
         return record
     _resolve(record, role.layout, node_value(record.written_node))
+    if record.layout is not None:
+        _check_row_bytes(record, role)
     return record
 
 

@@ -28,6 +28,7 @@ class Uncovered(str, enum.Enum):
     UNDECLARED_CACHE_HANDLE = "op declares no mutation but takes a cache-like handle"
     USER_TRITON_KERNEL = "user Triton kernel writes state"
     WRITE_IN_HIGHER_ORDER_OP = "write inside a higher-order op region"
+    ROW_BYTES_MISMATCH = "layout bytes per row differ from the bytes the op writes per row"
 
 
 class StateKind(str, enum.Enum):
@@ -79,6 +80,9 @@ class StateWrite:
     family: str | None = None
     #: the call's arguments by schema name (nodes or constants): slot mappings, row inputs, dims
     bound_args: dict[str, object] = field(default_factory=dict)
+    #: bytes per cache row the op writes, from the written value's shape and dtype (an int, or the
+    #: symbolic expression); None where the value is not known (no declared values, a scalar fill)
+    written_bytes_per_row: object = None
 
     @property
     def covered(self) -> bool:

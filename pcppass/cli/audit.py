@@ -47,6 +47,8 @@ def _write_row(w: StateWrite) -> dict[str, Any]:
         "recipe": w.pattern.recipe.value if w.covered else None,
         "layout": w.layout.kind if w.layout is not None and w.covered else None,
         "bytes_per_row": w.bytes_per_row if w.covered else None,
+        "written_bytes_per_row": (w.written_bytes_per_row if isinstance(w.written_bytes_per_row, int)
+                                  or w.written_bytes_per_row is None else str(w.written_bytes_per_row)),
         "reason": w.reason.value if w.reason is not None else None,
         "detail": w.detail,
     }
