@@ -196,3 +196,56 @@ def test_wrong_indexed_dim_is_caught_by_the_written_rows():
     assert "writes 128 B per row" in wrong.detail and "addresses 2048 B per row" in wrong.detail
     right = with_values(IndexedDim(1))
     assert right.covered and right.bytes_per_row == right.written_bytes_per_row == 128
+
+
+# ----------------------------------------------------------------------------- slot dtype
+
+
+@torch.library.custom_op("pcppass_spec::store_rows", mutates_args=("cache",))
+def store_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    live = slots >= 0
+    cache.flatten(0, 1)[slots[live].long()] = x[live]
+
+
+@store_rows.register_fake
+def _(x, cache, slots) -> None:
+    return None
+
+
+STORE_ROWS = WritePattern(
+    "spec.store_rows", ops=("pcppass_spec::store_rows",),
+    caches=(CacheRole("cache", slots="slots", layout=PagedRows(), values=("x",)),),
+    row_args={"x": 0, "slots": 0},
+)
+
+
+class Int32Slots(torch.nn.Module):
+    def forward(self, x, slots, caches):
+        torch.ops.pcppass_spec.store_rows(x, caches["op"], slots)            # int32 slot mapping
+        caches["flat"].view(-1, 2, 16)[slots] = x.view(-1, 2, 16)            # int32 row index
+        caches["flat"].view(-1, 2, 16)[slots.long()] = x.view(-1, 2, 16)     # int64: covered
+        return x.sum()
+
+
+def test_int32_slot_mappings_are_refused_with_op_state_line_and_dtype():
+    register_pattern(STORE_ROWS, replace=True)
+    try:
+        x, slots = torch.randn(5, 32), torch.arange(5, dtype=torch.int32)
+        caches = {"op": torch.zeros(4, 8, 32), "flat": torch.zeros(4, 8, 2, 16)}
+        op, setitem, ok = find_state_writes(capture_graph(Int32Slots(), StepInputs((x, slots, caches))))
+    finally:
+        unregister_pattern(STORE_ROWS.name)
+    for w, name in ((op, "slots"), (setitem, "the row index")):
+        assert not w.covered and w.reason is Uncovered.SLOT_DTYPE
+        assert f"through slot mapping {name} of dtype torch.int32" in w.detail
+        assert w.op in w.detail and w.state in w.detail and w.source in w.detail
+        assert "test_analysis_spec.py:" in w.source
+    assert op.op == "pcppass_spec::store_rows" and "int32 slot mapping" in _source_line(op.source)
+    assert "int32 row index" in _source_line(setitem.source)
+    assert ok.covered and ok.bytes_per_row == 128
+
+
+def _source_line(location: str) -> str:
+    path, line = location.rsplit(":", 1)
+    with open(__file__ if path.endswith("test_analysis_spec.py") else path) as f:
+        return f.read().splitlines()[int(line) - 1]

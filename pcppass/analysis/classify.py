@@ -6,12 +6,13 @@ Order of the checks, each an early return with its reason:
 2. no pattern covers the op: a user Triton kernel, an unknown mutating op, or (for in-place aten
    spellings with no row index: ``add_``, ``fill_``, ``copy_`` into a fixed region) non-row state;
 3. the written tensor is a view the rewrite cannot invert;
-4. the layout does not resolve on the written tensor (wrong rank, sizes that depend on a dynamic
+4. the slot mapping (or row index) is not int64: the replica sync reads slots as int64;
+5. the layout does not resolve on the written tensor (wrong rank, sizes that depend on a dynamic
    dim, an index form that is not one row index): unknown layout;
-5. the bytes per row the op writes (from the written value's shape and dtype: ``source`` of
+6. the bytes per row the op writes (from the written value's shape and dtype: ``source`` of
    ``index_copy_``, ``values`` of ``index_put_`` / setitem, a pattern role's declared ``values``)
    differ from the layout's bytes per row: row bytes mismatch, with both numbers;
-6. covered: ``record.pattern`` and ``record.layout`` (bytes per row) are set.
+7. covered: ``record.pattern`` and ``record.layout`` (bytes per row) are set.
 """
 
 from __future__ import annotations
@@ -123,6 +124,18 @@ def _resolve(record: StateWrite, layout: RowLayout, written_value: torch.Tensor)
     record.layout = resolved
 
 
+def _slots_are_int64(record: StateWrite, slots: torch.fx.Node, name: str) -> bool:
+    """The sync reads every slot mapping as int64 bytes: refuse any other dtype here."""
+    value = node_value(slots)
+    if not isinstance(value, torch.Tensor) or value.dtype == torch.int64:
+        return True
+    _uncovered(record, Uncovered.SLOT_DTYPE,
+               f"{record.op} at {record.source} writes {record.state} through slot mapping {name} "
+               f"of dtype {value.dtype}; the replica sync reads slots as int64: pass "
+               f"{name}.to(torch.int64)")
+    return False
+
+
 def _missing_arguments(record: StateWrite, pattern: WritePattern) -> list[str]:
     """Arguments the pattern names that the op's schema does not have (a typo in the pattern)."""
     return [a for a in pattern.arguments() if a not in record.bound_args]
@@ -211,6 +224,9 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
         if not isinstance(dim, int):
             _uncovered(record, Uncovered.UNKNOWN_LAYOUT, f"index_copy_ along a non-constant dim {dim}")
             return
+        index = record.bound_args.get("index")
+        if isinstance(index, torch.fx.Node) and not _slots_are_int64(record, index, "index"):
+            return
         _resolve(record, IndexedDim(dim=dim), written)
         return
     # setitem / index_put_: exactly one integer index tensor, after full slices only
@@ -234,6 +250,8 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
             or index_value.dim() != 1:
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
                    f"{record.op} on {record.state}: the index is not a 1-D integer tensor")
+        return
+    if not _slots_are_int64(record, items[dim], "the row index"):
         return
     base = node_value(record.state_node)
     if dim == 0 and record.view is not None and is_base_flattened_paged(base, record.view):
@@ -299,6 +317,8 @@ def classify_write(record: StateWrite) -> StateWrite:
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
                    f"pattern {pattern.name}: slot argument {role.slots!r} of {record.op} "
                    f"is not a tensor in the graph")
+        return record
+    if not _slots_are_int64(record, record.bound_args[role.slots], role.slots):
         return record
     _resolve(record, role.layout, node_value(record.written_node))
     if record.layout is not None:
