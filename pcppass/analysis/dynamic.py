@@ -49,6 +49,21 @@ class DynamicReport:
     def clean(self) -> bool:
         return not self.changes
 
+    @property
+    def ok(self) -> bool:
+        return self.clean
+
+    def summary_lines(self, steps: int | None = None) -> list[str]:
+        lines = [f"unexplained {c.describe()}" for c in self.changes]
+        if not self.changes:
+            lines.append("dynamic audit: every state change is explained")
+        return lines
+
+    def to_dict(self) -> dict:
+        return {"unexplained_changes": [
+            {"state": c.state, "step": c.step, "unit": c.unit, "rows": c.rows} for c in self.changes
+        ]}
+
 
 # ------------------------------------------------------------------------------- state discovery
 
