@@ -3,6 +3,7 @@
 Order of the checks, each an early return with its reason:
 
 1. the op declares no write but takes a cache-like handle: already marked by the finder;
+   the state (or the written view) is a tensor subclass: the sync copies plain storage rows;
 2. no pattern covers the op: a user Triton kernel, an unknown mutating op, or (for in-place aten
    spellings with no row index: ``add_``, ``fill_``, ``copy_`` into a fixed region) non-row state;
 3. the written tensor is a view the rewrite cannot invert;
@@ -22,7 +23,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from pcppass.analysis.records import StateWrite, Uncovered
-from pcppass.analysis.views import is_base_flattened_paged, node_value
+from pcppass.analysis.views import is_base_flattened_paged, is_plain_tensor, node_value
 from pcppass.registry import pattern_for_family, pattern_for_op
 from pcppass.spec import SYNC_LAYOUT_KINDS, CacheRole, IndexedDim, ResolvedLayout, RowLayout, WritePattern
 
@@ -271,10 +272,27 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
     _resolve(record, IndexedDim(dim=dim), written)
 
 
+def _subclass_state(record: StateWrite) -> bool:
+    """Uncover a write into a tensor subclass (fp8 wrapper, DTensor): its bytes are not its own."""
+    for value in (node_value(record.state_node), node_value(record.written_node)):
+        if not isinstance(value, torch.Tensor) or is_plain_tensor(value):
+            continue
+        flatten = getattr(value, "__tensor_flatten__", None)
+        inner = f" wrapping {', '.join(flatten()[0])}" if flatten is not None else ""
+        _uncovered(record, Uncovered.TENSOR_SUBCLASS_STATE,
+                   f"{record.op} at {record.source} writes {record.state}, a {type(value).__qualname__}"
+                   f"{inner}; the replica sync copies rows of plain tensors: keep the cache a plain "
+                   f"tensor, or write its inner tensors with ops a pattern covers")
+        return True
+    return False
+
+
 def classify_write(record: StateWrite) -> StateWrite:
     """Attach pattern + layout, or reason + detail, to one record (in place; returned)."""
     if record.reason is not None:
-        return record  # marked by the finder (undeclared handle)
+        return record  # marked by the finder (undeclared handle, unknown storage)
+    if _subclass_state(record):
+        return record
     if record.family is not None:
         pattern = pattern_for_family(record.family)
     else:

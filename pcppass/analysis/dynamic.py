@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from pcppass.analysis.records import StateWrite, Uncovered
 from pcppass.analysis.state_writes import find_state_writes
@@ -224,9 +225,9 @@ def dynamic_audit(model: Callable[..., Any], inputs: StepInputs, steps: int = 2)
                 if not bool(changed.any()):
                     continue
                 explained = torch.zeros_like(changed)
-                storage_key = id(t.untyped_storage())
+                storage_key = StorageWeakRef(t.untyped_storage())
                 for obs in backend.observed:
-                    if id(obs.tensor.untyped_storage()) != storage_key:
+                    if StorageWeakRef(obs.tensor.untyped_storage()) != storage_key:
                         continue
                     isz = obs.tensor.element_size()
                     explained.view(-1, isz)[obs.ids] = True

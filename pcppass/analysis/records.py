@@ -30,6 +30,8 @@ class Uncovered(str, enum.Enum):
     WRITE_IN_HIGHER_ORDER_OP = "write inside a higher-order op region"
     ROW_BYTES_MISMATCH = "layout bytes per row differ from the bytes the op writes per row"
     SLOT_DTYPE = "slot mapping is not int64"
+    TENSOR_SUBCLASS_STATE = "state is a tensor subclass"
+    UNKNOWN_STORAGE = "written tensor's storage is unknown"
 
 
 class StateKind(str, enum.Enum):

@@ -50,7 +50,7 @@ from pcppass.analysis.records import StateKind, StateWrite, Uncovered
 from pcppass.analysis.schema import (
     SETITEM_ARGS, aten_overload, bind_schema, resolve_overload, written_args,
 )
-from pcppass.analysis.views import AliasMap, fake_value, node_value, view_info
+from pcppass.analysis.views import AliasMap, fake_value, node_value, storage_keys, view_info
 
 #: Operator namespaces that are torch's own (never a user cache-write op).
 TORCH_NAMESPACES = frozenset({
@@ -492,6 +492,21 @@ def _region_record(
 
 # ----------------------------------------------------------------------------- entry point
 
+
+def _unknown_storage_record(site: WriteSite) -> StateWrite:
+    """A write into a tensor whose storage cannot be read: it may be state, so it is reported."""
+    value = node_value(site.tensor)
+    source = source_location(site.node)
+    return StateWrite(
+        node=site.node, op=site.op, state=f"<unknown storage of {site.tensor.name}>", state_node=None,
+        arg=site.arg, source=source, written_node=site.tensor, family=site.family,
+        bound_args=site.bound_args, reason=Uncovered.UNKNOWN_STORAGE,
+        detail=(f"{site.op} at {source} writes {site.tensor.name} ({type(value).__qualname__}, layout "
+                f"{getattr(value, 'layout', '?')}), whose storage cannot be read: the analysis cannot "
+                f"tell whether it is persistent state, so it is not taken for a temporary"),
+    )
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -529,6 +544,8 @@ def find_state_writes(gm: torch.fx.GraphModule, *, classify: bool = True) -> lis
         for site in sites:
             alias = aliases.alias_of(site.tensor)
             if alias is None:
+                if storage_keys(node_value(site.tensor)) == frozenset():
+                    records.append(_unknown_storage_record(site))
                 continue  # a temporary created inside the graph
             state = names[alias.base]
             records.append(StateWrite(
