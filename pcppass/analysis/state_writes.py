@@ -46,6 +46,7 @@ import torch
 import torch.fx
 
 from pcppass.analysis.defuse import DefUse
+from pcppass.analysis.handles import Handle, call_handles
 from pcppass.analysis.records import StateKind, StateWrite, Uncovered
 from pcppass.analysis.schema import (
     SETITEM_ARGS, aten_overload, bind_schema, resolve_overload, written_args,
@@ -286,7 +287,8 @@ def _out_sites(node: torch.fx.Node, name: str) -> list[WriteSite]:
 # ----------------------------------------------------------------------------- handles
 
 
-def _declares_no_write_custom_op(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+def _custom_op(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+    """The overload of a call to an operator outside torch's own namespaces; None otherwise."""
     if node.op != "call_function" or not isinstance(
         node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
     ):
@@ -294,7 +296,12 @@ def _declares_no_write_custom_op(node: torch.fx.Node) -> torch._ops.OpOverload |
     overload = resolve_overload(node.target, node.args, node.kwargs)
     if overload is None or _is_torch_namespace(overload._schema.name):
         return None
-    return None if written_args(overload._schema) else overload
+    return overload
+
+
+def _declares_no_write_custom_op(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+    overload = _custom_op(node)
+    return None if overload is None or written_args(overload._schema) else overload
 
 
 def _only_a_dependency_token(node: torch.fx.Node, defuse: DefUse) -> bool:
@@ -331,26 +338,38 @@ def _cache_like(state: StateTensor) -> bool:
     return not any(isinstance(d, torch.SymInt) for d in value.shape)
 
 
+def _handle_record(node: torch.fx.Node, op: str, handle: Handle, declared: list[str],
+                   bound: dict[str, object]) -> StateWrite:
+    source = source_location(node)
+    writes = f"declares writes only to {', '.join(declared)}" if declared else "declares no mutation"
+    return StateWrite(
+        node=node, op=op, state=handle.name, state_node=None, arg=handle.arg, source=source,
+        reason=Uncovered.UNDECLARED_CACHE_HANDLE, state_kind=StateKind.HANDLE, bound_args=bound,
+        detail=(f"{op} at {source} {writes} and takes the cache handle {handle.arg}="
+                f"{handle.name!r}: the state it reaches through that handle is not in the graph, so "
+                f"what it writes there cannot be seen; a context-addressed pattern must cover it "
+                f"(or declare that it only reads), or run `pcppass audit --dynamic`"),
+    )
+
+
 def _handle_records(
     node: torch.fx.Node, defuse: DefUse, aliases: AliasMap, names: dict[torch.fx.Node, StateTensor]
 ) -> list[StateWrite]:
-    overload = _declares_no_write_custom_op(node)
-    if overload is None or not _only_a_dependency_token(node, defuse):
+    """Records for a custom op that may write state the graph cannot see.
+
+    Every handle the op takes is one record, whatever the op returns or declares. An op that
+    declares no write, takes no handle and returns only a dependency token is reported through each
+    cache-like state tensor it takes, or, taking none, as a call that exists only for a side effect.
+    """
+    overload = _custom_op(node)
+    if overload is None:
         return []
+    op = overload._schema.name
     bound = bind_schema(overload._schema, node.args, node.kwargs) or {}
-    records = []
-    for arg, value in bound.items():
-        if isinstance(value, str):
-            records.append(StateWrite(
-                node=node, op=overload._schema.name, state=f"handle {arg}={value!r}",
-                state_node=None, arg=arg, source=source_location(node),
-                reason=Uncovered.UNDECLARED_CACHE_HANDLE,
-                detail=(f"{overload._schema.name} declares no mutation, its result is only a "
-                        f"dependency token, and it takes the handle {arg}={value!r}: it may write "
-                        f"state fetched by that handle (run `pcppass audit --dynamic` to check)"),
-            ))
-    if records:
-        return records  # the string handle names the state; row tensors beside it are inputs
+    declared = written_args(overload._schema)
+    records = [_handle_record(node, op, h, declared, bound) for h in call_handles(overload._schema, bound)]
+    if records or declared or not _only_a_dependency_token(node, defuse):
+        return records
     for arg, value in bound.items():
         for label, tensor in _tensor_nodes(value, arg):
             alias = aliases.alias_of(tensor)
@@ -358,13 +377,22 @@ def _handle_records(
                 continue
             state = names[alias.base]
             records.append(StateWrite(
-                node=node, op=overload._schema.name, state=state.name, state_node=alias.base,
+                node=node, op=op, state=state.name, state_node=alias.base,
                 arg=label, view_chain=list(alias.chain), source=source_location(node),
                 reason=Uncovered.UNDECLARED_CACHE_HANDLE, written_node=tensor,
-                view=view_info(alias, tensor), state_kind=state.kind,
-                detail=(f"{overload._schema.name} declares no mutation and its result is only a "
+                view=view_info(alias, tensor), state_kind=state.kind, bound_args=bound,
+                detail=(f"{op} declares no mutation and its result is only a "
                         f"dependency token, yet it takes the state tensor {state.name} as {label}"),
             ))
+    if not records:
+        source = source_location(node)
+        records.append(StateWrite(
+            node=node, op=op, state="<unknown>", state_node=None, arg=None, source=source,
+            reason=Uncovered.SIDE_EFFECT_ONLY, state_kind=StateKind.UNKNOWN, bound_args=bound,
+            detail=(f"{op} at {source} declares no mutation and its result carries no data (unused, "
+                    f"empty, or only a dependency of other opaque ops): it runs for a side effect "
+                    f"the graph cannot see, possibly a write into state"),
+        ))
     return records
 
 
@@ -556,7 +584,7 @@ def find_state_writes(gm: torch.fx.GraphModule, *, classify: bool = True) -> lis
             ))
         if _is_higher_order(node):
             records += _region_writes(node, aliases, reach, node, aliases, (_hop_name(node),))
-        elif not sites:
+        else:
             records += _handle_records(node, defuse, aliases, names)
     if classify:
         from pcppass.analysis.classify import classify_writes
