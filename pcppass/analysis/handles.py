@@ -123,6 +123,6 @@ def value_handles(values: list[tuple[str, Any]]) -> list[Handle]:
     found = []
     for label, value in values:
         real = _real_object(value)
-        if real is not None:
+        if real is not None and not callable(real):  # a function object is the callee, not a handle
             found.append(Handle(label, _object_name(real, value), value))
     return found

@@ -41,6 +41,7 @@ class Uncovered(str, enum.Enum):
     NON_INVERTIBLE_VIEW = "view the rewrite cannot invert"
     UNDECLARED_CACHE_HANDLE = "op declares no mutation but takes a cache-like handle"
     SIDE_EFFECT_ONLY = "op declares no mutation and runs only for a side effect"
+    OPAQUE_CALL = "opaque call receives state"
     USER_TRITON_KERNEL = "user Triton kernel writes state"
     WRITE_IN_HIGHER_ORDER_OP = "write inside a higher-order op region"
     ROW_BYTES_MISMATCH = "layout bytes per row differ from the bytes the op writes per row"

@@ -46,7 +46,8 @@ import torch
 import torch.fx
 
 from pcppass.analysis.defuse import DefUse
-from pcppass.analysis.handles import Handle, call_handles
+from pcppass.analysis.handles import Handle, call_handles, value_handles
+from pcppass.analysis.opaque import OpaqueCall, opaque_call
 from pcppass.analysis.records import StateKind, StateWrite, Uncovered
 from pcppass.analysis.schema import (
     SETITEM_ARGS, aten_overload, bind_schema, resolve_overload, written_args,
@@ -330,12 +331,14 @@ def qualified_name(target: object) -> str:
     return target._qualified_op_name
 
 
+def _row_input(state: StateTensor) -> bool:
+    """A per-step input sized by the symbolic row count (token ids, slot mappings): not persistent."""
+    return any(isinstance(d, torch.SymInt) for d in node_value(state.node).shape)
+
+
 def _cache_like(state: StateTensor) -> bool:
-    """Weights and per-step row inputs (sized by the symbolic row count) are not cache handles."""
-    if state.kind is StateKind.PARAMETER:
-        return False
-    value = node_value(state.node)
-    return not any(isinstance(d, torch.SymInt) for d in value.shape)
+    """Weights and per-step row inputs are not cache handles."""
+    return state.kind is not StateKind.PARAMETER and not _row_input(state)
 
 
 def _handle_record(node: torch.fx.Node, op: str, handle: Handle, declared: list[str],
@@ -392,6 +395,63 @@ def _handle_records(
             detail=(f"{op} at {source} declares no mutation and its result carries no data (unused, "
                     f"empty, or only a dependency of other opaque ops): it runs for a side effect "
                     f"the graph cannot see, possibly a write into state"),
+        ))
+    return records
+
+
+# ----------------------------------------------------------------------------- opaque calls
+
+
+def _labelled_inputs(node: torch.fx.Node) -> list[tuple[str, object]]:
+    """A call's arguments flattened through lists, tuples and dicts, each with a label."""
+    out: list[tuple[str, object]] = []
+
+    def walk(label: str, value: object) -> None:
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{label}[{i}]", v)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{label}[{k!r}]", v)
+        else:
+            out.append((label, value))
+
+    for i, arg in enumerate(node.args):
+        walk(f"arg{i}", arg)
+    for key, arg in node.kwargs.items():
+        walk(key, arg)
+    return out
+
+
+def _opaque_detail(call: OpaqueCall, what: str, label: str, source: str) -> str:
+    return (f"{call.op} ({call.kind}) at {source} receives {what} as {label}; the graph cannot see "
+            f"what it does with it, so it may write it: make the write visible (a custom op that "
+            f"declares it in mutates_args, or in-place tensor ops traced into the graph)")
+
+
+def _opaque_records(
+    node: torch.fx.Node, call: OpaqueCall, aliases: AliasMap, names: dict[torch.fx.Node, StateTensor]
+) -> list[StateWrite]:
+    """One uncovered record per state alias and per cache handle an opaque call receives."""
+    source = source_location(node)
+    inputs = _labelled_inputs(node)
+    records = []
+    for label, value in inputs:
+        alias = aliases.alias_of(value)
+        if alias is None or _row_input(names[alias.base]):
+            continue
+        state = names[alias.base]
+        records.append(StateWrite(
+            node=node, op=call.op, state=state.name, state_node=alias.base, arg=label,
+            view_chain=list(alias.chain), source=source, written_node=value,
+            view=view_info(alias, value), state_kind=state.kind, reason=Uncovered.OPAQUE_CALL,
+            detail=_opaque_detail(call, f"the state {state.name}", label, source),
+        ))
+    for handle in value_handles(inputs):
+        records.append(StateWrite(
+            node=node, op=call.op, state=handle.name, state_node=None, arg=handle.arg, source=source,
+            state_kind=StateKind.HANDLE, reason=Uncovered.OPAQUE_CALL,
+            detail=_opaque_detail(call, f"the cache handle {handle.name!r}", handle.arg, source),
         ))
     return records
 
@@ -582,10 +642,15 @@ def find_state_writes(gm: torch.fx.GraphModule, *, classify: bool = True) -> lis
                 written_node=site.tensor, view=view_info(alias, site.tensor),
                 state_kind=state.kind, family=site.family, bound_args=site.bound_args,
             ))
+        has_body = False
         if _is_higher_order(node):
+            has_body = bool(_region_bodies(node))
             records += _region_writes(node, aliases, reach, node, aliases, (_hop_name(node),))
         else:
             records += _handle_records(node, defuse, aliases, names)
+        call = None if sites else opaque_call(node, has_body)
+        if call is not None:
+            records += _opaque_records(node, call, aliases, names)
     if classify:
         from pcppass.analysis.classify import classify_writes
 
