@@ -1,7 +1,8 @@
 """``pcppass audit MODEL``: list every write into persistent state and what covers it.
 
 Exit code 0 when every write is covered, 1 when anything is uncovered (or, with ``--dynamic``, a
-state change no graph write explains), 2 when the model cannot be loaded or traced.
+state change no graph write explains, or state the run could not watch), 2 when the model cannot be
+loaded or traced.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="built-in model widths; 'full' is traced on the meta device (no weights)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--dynamic", action="store_true",
-                   help="also run real steps and report state rows changed without a graph write")
+                   help="also run real steps and report state rows changed without a graph write "
+                        "(every live tensor is watched, not only the step's arguments)")
     p.add_argument("--steps", type=int, default=2, help="steps to run with --dynamic")
     p.add_argument("--rows", type=int, default=6, help="rows of the traced step (built-in models)")
     p.set_defaults(func=run_audit)
