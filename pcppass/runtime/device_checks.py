@@ -171,6 +171,18 @@ class DeviceSlotChecks:
         self.ranges = list(ranges)
         self.evaluate = evaluate
 
+    @classmethod
+    def of(cls, validator) -> "DeviceSlotChecks":
+        """The device form of a host :class:`pcppass.runtime.validate.InputValidator` (same
+        inputs, ranges and messages; an aten index write's lowest slot is 0: -1 is its last row)."""
+        rank = f"rank {validator.rank}: " if validator.rank is not None else ""
+        ranges = []
+        for c in validator.checks:
+            aten = f" ({c.aten_family} follows Python indexing: -1 is the last row)" if c.aten_family else ""
+            ranges.append(SlotRange(c.input_index, f"{rank}{c.op} writing {c.state} ({c.source}): slot mapping "
+                                    f"{c.input_name}{aten}", c.lowest_slot, c.num_slots, c.rows))
+        return cls(ranges, validator.symbols.evaluate)
+
     def __call__(self, args: Sequence[Any]) -> None:
         from pcppass.kernels import row_kernels
 

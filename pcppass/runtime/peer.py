@@ -7,7 +7,7 @@ all-gather buffer, no scatter on the receiving side (:mod:`pcppass.kernels.peer_
 
 * :func:`symmetric_empty` / :func:`symmetric_zeros` allocate a tensor in symmetric memory (the
   engine's and the benchmark's cache allocator option); :func:`is_symmetric` says whether a tensor
-  lives there (:func:`peer_stores_possible` decides the transport from it).
+  lives there (:func:`group_refusal` and :func:`cache_refusal` decide the transport).
 * :class:`SymmetricReplicas` (one per process group and device) knows, for each cache, the byte
   distance from this rank's replica to every rank's (``rendezvous`` once per allocation; every
   rank must hold the cache at the same offset of its allocation, checked through the c10d store),
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pcppass.errors import PcpSyncError
-from pcppass.kernels.row_kernels import MAILBOX_FLAGS
+from pcppass.kernels.row_kernels import MAILBOX_FLAGS, MAX_WORLD
 
 #: bytes of one rank's chunk (header + payloads) in a mailbox half
 DEFAULT_MAILBOX_CAPACITY = 1 << 20
@@ -80,22 +80,24 @@ def is_symmetric(t: torch.Tensor) -> bool:
         return False
 
 
-def peer_stores_possible(caches: list[torch.Tensor], group: dist.ProcessGroup | None) -> tuple[bool, str]:
-    """(True, "") when direct peer stores can sync ``caches`` over ``group``: several ranks on
-    NCCL, every cache a CUDA tensor in symmetric memory; else (False, why not)."""
-    if group is None or dist.get_world_size(group) < 2:
-        return False, "one rank"
-    if dist.get_world_size(group) > 8:
-        return False, "more than 8 ranks"
+def group_refusal(group: dist.ProcessGroup | None) -> str | None:
+    """Why peer stores cannot sync over ``group`` (None: they can): they need 2 to 8 NCCL ranks."""
+    if group is None:
+        return "no process group"
     if dist.get_backend(group) != "nccl":
-        return False, f"process group backend {dist.get_backend(group)} (peer stores need NCCL GPUs)"
-    if not caches:
-        return False, "no cache rows to store"
-    for c in caches:
-        if not is_symmetric(c):
-            where = "on the CPU" if not c.is_cuda else "not in symmetric memory"
-            return False, f"a cache {tuple(c.shape)} {c.dtype} is {where}"
-    return True, ""
+        return f"process group backend {dist.get_backend(group)} (peer stores need NCCL GPUs)"
+    if not 2 <= dist.get_world_size(group) <= MAX_WORLD:
+        return f"{dist.get_world_size(group)} ranks (peer stores take 2 to {MAX_WORLD})"
+    return None
+
+
+def cache_refusal(cache: torch.Tensor) -> str | None:
+    """Why peers cannot store into ``cache``'s replicas (None: they can): a CUDA tensor in
+    symmetric memory."""
+    if not is_symmetric(cache):
+        where = "on the CPU" if not cache.is_cuda else "not in symmetric memory"
+        return f"a cache {tuple(cache.shape)} {cache.dtype} is {where}"
+    return None
 
 
 @dataclass
