@@ -327,7 +327,7 @@ def decode_steps(rank: int, world: int, cfg: Config) -> dict:
     caches copied into symmetric memory: the backend picks peer stores there; the all-gather
     transport is forced with ``PcpBackend(transport="allgather")``. Each step captured in a CUDA
     graph; ``nosync`` (no sync at all) is the lower bound."""
-    from pcppass.backend import PcpBackend, SyncChecks
+    from pcppass import PcpBackend, SyncChecks
     from pcppass.cli.bench import DecodeSetup, caches_equal_across_ranks, owned
     from pcppass.models import build_model
     from pcppass.runtime import device_checks
@@ -349,8 +349,6 @@ def decode_steps(rank: int, world: int, cfg: Config) -> dict:
         variants = {
             "nosync": None,
             "allgather": PcpBackend(inner="inductor", transport="allgather", name=f"{name}-ag"),
-            "allgather_nochecks": PcpBackend(inner="inductor", transport="allgather", checks=nochecks,
-                                             name=f"{name}-agn"),
             "peer": PcpBackend(inner="inductor", name=f"{name}-peer"),
             "peer_nochecks": PcpBackend(inner="inductor", checks=nochecks, name=f"{name}-peern"),
         }

@@ -59,8 +59,9 @@ MAX_ARGS = 8
 MAX_WORLD = 8
 #: words per tile (one program)
 BLOCK = 512
-#: rows of one rank one program of check_kernel compares
-CHECK_ROWS = 64
+#: rows of one rank one program of check_kernel compares (against CHECK_ROWS of another at a
+#: time: a larger tile spills registers, ptxas -v: 64x256 took 255 registers + 3.3 KB of spills)
+CHECK_ROWS = 32
 #: int64 fields of a tile-table entry (see row_kernels_triton)
 TILE_FIELDS = 17 + MAX_WORLD
 #: entry kinds
@@ -331,8 +332,8 @@ def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, 
         chunks.anchor, chunks.offset, chunks.stride, chunks.half,
         chunks.counters if chunks.counters is not None else segs, segs, tiles.extra["flags"],
         tiles.extra["verdict"], tiles.table, tiles.num_entries, device_checks.status(chunks.anchor.device), me,
-        world, head_len, int(conflicts), per_rank, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS, BLOCK_K=256,
-        BLOCK_H=1024)
+        world, head_len, int(conflicts), per_rank, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS, BLOCK_K=CHECK_ROWS,
+        BLOCK_H=256)
 
 
 def check_tables(segments: Sequence[tuple[int, int, int, int]], world: int) -> dict:

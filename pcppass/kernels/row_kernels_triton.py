@@ -84,6 +84,24 @@ MOST_NEGATIVE = tl.constexpr(-9223372036854775807)
 
 
 # ---------------------------------------------------------------------------------------------
+# Reductions
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _max2(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _largest(x, axis):
+    """``tl.max`` through ``tl.reduce``: the kernels use no ``@jit`` helper of triton.language,
+    whose mode (compiled or interpreted) is fixed when triton.language is first imported (under
+    ``TRITON_INTERPRET=1`` set later, as the tests do, calling one fails)."""
+    return tl.reduce(x, axis, _max2)
+
+
+# ---------------------------------------------------------------------------------------------
 # Words
 # ---------------------------------------------------------------------------------------------
 
@@ -128,11 +146,11 @@ def _move(anchor, src, dst, load_mask, store_mask, W: tl.constexpr):
 @triton.jit
 def _zero(anchor, dst, mask, W: tl.constexpr):
     if W >= 4:
-        _store_words(anchor, dst, tl.zeros((dst.shape[0], W // 4), tl.int32), mask, W)
+        _store_words(anchor, dst, tl.full((dst.shape[0], W // 4), 0, tl.int32), mask, W)
     elif W == 2:
-        _store_words(anchor, dst, tl.zeros((dst.shape[0], 1), tl.int16), mask, W)
+        _store_words(anchor, dst, tl.full((dst.shape[0], 1), 0, tl.int16), mask, W)
     else:
-        _store_words(anchor, dst, tl.zeros((dst.shape[0], 1), tl.uint8), mask, W)
+        _store_words(anchor, dst, tl.full((dst.shape[0], 1), 0, tl.uint8), mask, W)
 
 
 @triton.jit
@@ -145,7 +163,7 @@ def _slot_at(anchor, addr, mask, align):
     words = anchor.to(tl.pointer_type(tl.int32), bitcast=True) + (addr - a) // 4
     lo = tl.load(words, mask=mask & wide, other=0).to(tl.int64) & 0xFFFFFFFF
     hi = tl.load(words + 1, mask=mask & wide, other=0).to(tl.int64)
-    byte_slot = tl.zeros_like(addr)
+    byte_slot = tl.full(addr.shape, 0, tl.int64)
     bytes_ = anchor.to(tl.pointer_type(tl.uint8), bitcast=True) + (addr - a)
     for k in tl.static_range(8):
         byte = tl.load(bytes_ + k, mask=mask & ~wide, other=0).to(tl.int64)
@@ -197,8 +215,8 @@ def _words(entry, first, BLOCK: tl.constexpr):
 @triton.jit
 def _report_range(status, bad, slot, entry, rank):
     """Record an out-of-range slot (``slot < -1`` or ``>= num_slots``) of this entry."""
-    if tl.max(bad.to(tl.int32), axis=0) > 0:
-        tl.store(status + S_RANGE_SLOT, tl.max(tl.where(bad, slot, MOST_NEGATIVE), axis=0))
+    if _largest(bad.to(tl.int32), axis=0) > 0:
+        tl.store(status + S_RANGE_SLOT, _largest(tl.where(bad, slot, MOST_NEGATIVE), axis=0))
         tl.store(status + S_RANGE_RANK, rank)
         tl.store(status + S_RANGE, tl.load(entry + F_LABEL) + 1)
 
@@ -272,7 +290,7 @@ def _headers_differ(base, stride, me, world, head_len, BLOCK: tl.constexpr):
             o = h + tl.arange(0, BLOCK)
             m = o < head_len
             differ = tl.load(theirs_at + o, mask=m, other=0) != tl.load(mine_at + o, mask=m, other=0)
-            if (found < 0) & (tl.max(differ.to(tl.int32), axis=0) > 0):
+            if (found < 0) & (_largest(differ.to(tl.int32), axis=0) > 0):
                 found = r
     return found
 
@@ -282,7 +300,7 @@ def _conflicting_rows(anchor, slots_at, align, rank, world, stride, n, i, mi, BL
     """Rank ``rank``'s slots of rows ``i`` (rank r's slots start at ``slots_at + r * stride``) and,
     per row, 1 when another rank holds the same slot (>= 0) in the same segment."""
     mine = _slot_at(anchor, slots_at + rank * stride + 8 * i.to(tl.int64), mi, align)
-    hit = tl.zeros(i.shape, tl.int32)
+    hit = tl.full(i.shape, 0, tl.int32)
     for other in range(world):
         if other != rank:
             for k0 in range(0, n, BLOCK_K):
@@ -290,7 +308,7 @@ def _conflicting_rows(anchor, slots_at, align, rank, world, stride, n, i, mi, BL
                 mk = k < n
                 theirs = _slot_at(anchor, slots_at + other * stride + 8 * k.to(tl.int64), mk, align)
                 eq = (mine[:, None] == theirs[None, :]) & mk[None, :] & (mine[:, None] >= 0)
-                hit = hit | tl.max(eq.to(tl.int32), axis=1)
+                hit = hit | _largest(eq.to(tl.int32), axis=1)
     return mine, hit & mi.to(tl.int32)
 
 
@@ -303,12 +321,12 @@ def _zero_rows(table, num_entries, anchor, segment, slot, rows, ENTRY: tl.conste
         entry = table + e * ENTRY
         if (tl.load(entry + F_KIND) == 0) & (tl.load(entry + F_SEGMENT) == segment):
             valid = rows & (slot >= 0) & (slot < tl.load(entry + F_NSLOTS))
-            at = _cache_address(entry, tl.where(valid, slot, 0), tl.zeros_like(slot).to(tl.int32), 1)
+            at = _cache_address(entry, tl.where(valid, slot, 0), tl.full(slot.shape, 0, tl.int32), 1)
             length = tl.load(entry + F_WPR) * tl.load(entry + F_WIDTH)
             for c0 in range(0, length, BLOCK_C):
                 c = c0 + tl.arange(0, BLOCK_C)
                 dst = at[:, None] + c[None, :]
-                tl.store(base + (dst - anchor.to(tl.int64)), tl.zeros(dst.shape, tl.uint8),
+                tl.store(base + (dst - anchor.to(tl.int64)), tl.full(dst.shape, 0, tl.uint8),
                          mask=valid[:, None] & (c < length)[None, :])
 
 
@@ -348,8 +366,8 @@ def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdi
         slots_at = base + tl.load(seg + 3)
         slot, hit = _conflicting_rows(anchor, slots_at, tl.load(seg + 4), r, world, stride, n, i, mi, BLOCK_K)
         tl.store(flag_at, hit.to(tl.uint8), mask=mi)
-        if tl.max(hit, axis=0) > 0:
-            tl.store(status + S_CONFLICT_SLOT, tl.max(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
+        if _largest(hit, axis=0) > 0:
+            tl.store(status + S_CONFLICT_SLOT, _largest(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
             tl.store(status + S_CONFLICT_RANK, r)
             tl.store(status + S_CONFLICT, tl.load(seg + 1) + 1)
             _zero_rows(table, num_entries, anchor, j, slot, hit > 0, ENTRY, 64)
@@ -411,8 +429,8 @@ def input_kernel(checks, x0, x1, x2, x3, x4, x5, x6, x7, status, BLOCK: tl.const
         i = i0 + tl.arange(0, BLOCK)
         s = tl.load(slots + i, mask=i < n, other=low)
         bad = (s < low) | (s >= high)
-        if tl.max(bad.to(tl.int32), axis=0) > 0:
-            tl.store(status + S_INPUT_VALUE, tl.max(tl.where(bad, s, MOST_NEGATIVE), axis=0))
+        if _largest(bad.to(tl.int32), axis=0) > 0:
+            tl.store(status + S_INPUT_VALUE, _largest(tl.where(bad, s, MOST_NEGATIVE), axis=0))
             tl.store(status + S_INPUT, tl.load(c + 4) + 1)
 
 
@@ -427,7 +445,7 @@ def _now(USE_TIMER: tl.constexpr):
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                          is_pure=False, pack=1)
     else:
-        return tl.zeros([], tl.int64)
+        return tl.full([], 0, tl.int64)
 
 
 @triton.jit
