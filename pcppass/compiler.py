@@ -83,7 +83,8 @@ class PcpBackend:
     :class:`PcpSyncPass` configuration. ``inner``: the compiler the rewritten graph goes to.
     ``name``: names this backend's graphs in errors and fingerprint exchanges.
     ``transport``: ``"auto"`` (peer stores where every replica of every cache lives in symmetric
-    memory on NCCL ranks, the all-gather otherwise), ``"allgather"`` or ``"peer"``
+    memory on NCCL ranks, the all-gather otherwise; always the all-gather under ``aot_eager``,
+    which hands mutating ops copies of the caches), ``"allgather"`` or ``"peer"``
     (:mod:`pcppass.rewrite.peer_store`).
     """
 
@@ -103,6 +104,12 @@ class PcpBackend:
             raise ValueError(f"inner must be one of {_INNERS}, got {inner!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {tuple(TRANSPORTS)}, got {transport!r}")
+        if inner == "aot_eager" and transport != "allgather":
+            # aot_eager hands a mutating op copies of its inputs (no re-inplacing): peers would
+            # store into the copies. Inductor and eager pass the caches themselves.
+            if transport == "peer":
+                raise ValueError("transport='peer' needs inner='inductor' or 'eager' (aot_eager copies the caches)")
+            transport = "allgather"
         self.sync_pass = PcpSyncPass(group, schedule=schedule, on_uncovered=on_uncovered,
                                      dcp_size=dcp_size, checks=checks, whole_step=whole_step,
                                      transport=TRANSPORTS[transport])

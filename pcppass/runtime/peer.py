@@ -140,6 +140,12 @@ class SymmetricReplicas:
         storage = t.untyped_storage()
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
         handle = _symm_mem().rendezvous(whole, self.group_name)
+        if handle is None:
+            raise PcpSyncError(
+                f"pcppass peer stores: a tensor {tuple(t.shape)} {t.dtype} given as a cache is not a symmetric-"
+                "memory allocation (a copy of the cache? aot_eager hands mutating ops copies of their "
+                "inputs); peer stores need the op to write the caches themselves: compile with Inductor "
+                "or eager, or use PcpBackend(transport='allgather')")
         ptrs = [int(p) for p in handle.buffer_ptrs]
         return tuple(p - ptrs[self.me] for p in ptrs)
 
