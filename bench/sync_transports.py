@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -200,11 +201,10 @@ def allgather_sync(layers: Layers, group: str, checks: bool, which: range | None
 def peer_sync(layers: Layers, group: str, checks: bool) -> Callable[[], None]:
     ops = torch.ops.pcppass
     caches, cache_slots, layouts, payloads, slots_segments, sites = layers.sync_args()
-    segments = [s for s in slots_segments]
 
     def run() -> None:
-        ops.sync_peer_store(FP, caches, cache_slots, layouts, payloads, segments, group, sites, checks, checks,
-                            False)
+        ops.sync_peer_store(FP, caches, cache_slots, layouts, payloads, slots_segments, group, sites, checks,
+                            checks, False)
     return run
 
 
@@ -255,7 +255,8 @@ def sync_rank(rank: int, world: int, cfg: Config) -> dict:
             del graph
         # the same fresh rows give the same bytes whatever the transport
         entry["same_bytes_as_allgather"] = {name: d == digests["allgather"] for name, d in digests.items()}
-        packed = torch.ops.pcppass.sync_pack(FP, *layers.sync_args()[:3], layers.sync_args()[3])
+        caches, cache_slots, layouts, payloads = layers.sync_args()[:4]
+        packed = torch.ops.pcppass.sync_pack(FP, caches, cache_slots, layouts, payloads)
         entry["bytes_per_rank"] = packed.numel()
         entry["row_bytes_per_rank"] = (rows - 1) * cfg.layers * (MLA_ROW + INDEXER_VALUES + INDEXER_SCALES)
         bare = torch.randint(0, 255, (packed.numel(),), dtype=torch.uint8, device="cuda")
@@ -484,7 +485,6 @@ def main() -> None:
                  baseline=args.baseline, timeout_s=args.timeout)
     from pcppass.cli.bench import SAFE_ENV
     from pcppass.engine.launch import launch
-    import os
 
     os.environ.update(SAFE_ENV)
     ranks = launch(sync_rank, cfg.world, cfg, timeout_s=cfg.timeout_s)

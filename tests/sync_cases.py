@@ -1,11 +1,49 @@
 """Shared cases of the sync-kernel tests: caches of every layout kind, ranks simulated in one
-process (each with its own replicas and mailbox), and the reference result of one sync."""
+process (each with its own replicas and mailbox), the reference result of one sync, and the
+fixtures (``interpret``: Triton's interpreter on for the module; ``group_name``: a one-rank gloo
+group, whose rank the scatter ops ask for; ``clean_status``: an empty device status)."""
 
+import datetime
+import os
+
+import pytest
 import torch
+import torch.distributed as dist
 
+from pcppass.engine.launch import free_port
 from pcppass.kernels import row_kernels
 from pcppass.kernels.rows import encode_layout, read_rows, write_rows
+from pcppass.runtime import device_checks
 from pcppass.spec import ResolvedLayout
+
+
+
+@pytest.fixture(scope="module")
+def interpret():
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture
+def clean_status():
+    """The CPU device status is empty before and after the test (errors it expects are raised)."""
+    device_checks.status("cpu").zero_()
+    yield
+    device_checks.status("cpu").zero_()
+
+
+@pytest.fixture(scope="module")
+def group_name():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
 
 FP = "0123456789abcdef0123456789abcdef"
 BS, NB, CAPACITY = 4, 6, 512

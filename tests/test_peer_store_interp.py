@@ -12,8 +12,6 @@ and reported; a header that differs is reported; a peer that never arrives times
 reported, raised by device_checks) instead of hanging; re-run payloads read back from the mailbox.
 """
 
-import os
-
 import pytest
 import torch
 
@@ -22,24 +20,9 @@ from pcppass.kernels import peer_store, row_kernels
 from pcppass.kernels.rows import read_rows
 from pcppass.runtime import device_checks
 from sync_cases import (CAPACITY, ENCODED, FP, LAYOUTS, SITES, assert_replicas, cache_slots, expected_replica,
-                        make_ranks)
+                        clean_status, interpret, make_ranks)  # noqa: F401  (fixtures)
 
-@pytest.fixture(scope="module", autouse=True)
-def interpret():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-
-
-@pytest.fixture(autouse=True)
-def clean_status():
-    device_checks.status("cpu").zero_()
-    yield
-    device_checks.status("cpu").zero_()
+pytestmark = pytest.mark.usefixtures("interpret", "clean_status")
 
 
 class SimReplicas:
@@ -79,6 +62,7 @@ def sync_all(ranks, slots_by_rank, other_by_rank, *, fingerprints=None, checks=T
             out = peer_store.store((fingerprints or [FP] * world)[r], ranks[r]["caches"],
                                    cache_slots(slots, other), ENCODED, payloads, [4, 4, 4, 5], SITES,
                                    checks, checks, payload_extra is not None, reps, phase=phase)
+
             if phase == 1:
                 results.append(out)
     return results

@@ -14,31 +14,20 @@ deferred collective started right after the last write.
 
 from __future__ import annotations
 
-import datetime
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pcppass.analysis import find_state_writes
-from pcppass.engine.launch import free_port
 from pcppass.rewrite import peer_store
 from pcppass.rewrite.insert import insert_sync
 from pcppass.rewrite.plan import plan_sync
 from pcppass.runtime.device_checks import DeviceSlotChecks
 from pcppass.runtime.validate import InputValidator
 from test_rewrite_pass import _counts, _dynamo_graph, _inputs, step
+from sync_cases import group_name  # noqa: F401  (a fixture)
 
 OPS = torch.ops.pcppass
-
-
-@pytest.fixture(scope="module")
-def group_name():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
 
 
 def rewritten(fn, inputs, group, transport, schedule="deferred"):

@@ -8,45 +8,17 @@ buffers are concatenated as the all-gather would, and each rank's scatter runs a
 the wrapper that raises an earlier step's error before the next step runs.
 """
 
-import datetime
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from pcppass.engine.launch import free_port
 from pcppass.errors import PcpInputError, PcpSyncError
 from pcppass.kernels import rows_cuda
 from pcppass.kernels.rows import read_rows
 from pcppass.runtime import device_checks
-from sync_cases import ENCODED, FP, LAYOUTS, SITES, assert_replicas, cache_slots, expected_replica, make_ranks
+from sync_cases import (ENCODED, FP, LAYOUTS, SITES, assert_replicas, cache_slots, expected_replica,
+                        clean_status, group_name, interpret, make_ranks)  # noqa: F401  (fixtures)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def interpret():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-
-
-@pytest.fixture(scope="module")
-def group_name():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-
-
-@pytest.fixture(autouse=True)
-def clean_status():
-    device_checks.status("cpu").zero_()
-    yield
-    device_checks.status("cpu").zero_()
+pytestmark = pytest.mark.usefixtures("interpret", "clean_status")
 
 
 def all_gather_sync(ranks, slots, other, group_name, monkeypatch, *, fingerprints=(FP, FP)):
@@ -59,6 +31,7 @@ def all_gather_sync(ranks, slots, other, group_name, monkeypatch, *, fingerprint
         monkeypatch.setattr(rows_cuda, "_group_rank", lambda _group, r=r: r)
         rows_cuda.scatter_rows_all(ranks[r]["caches"], gathered, index, list(range(n)), [n, n, n, n + 1], ENCODED,
                                    group_name, SITES, True)
+
     return gathered, index
 
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from pcppass.errors import PcpSyncError
 from pcppass.kernels import row_kernels
 from pcppass.kernels.rows import decode_pack_layouts, header_bytes, site_labels
-from pcppass.kernels.rows_cuda import _cached_header
+from pcppass.kernels.rows_cuda import cached_header
 from pcppass.runtime import device_checks
 from pcppass.runtime.stats import SYNC_COUNTERS
 
@@ -106,7 +106,7 @@ def store(
     device = caches[0].device
     n = len(caches)
     sizes = mailbox_sizes(n, payloads)
-    head = _cached_header(fingerprint, sizes, device)
+    head = cached_header(fingerprint, sizes, device)
     offsets, chunk = [], head.numel()
     for size in sizes:
         offsets.append(chunk)

@@ -73,7 +73,8 @@ _INDEX_HOST: dict[int, list[list[list[int]]]] = {}
 # ---------------------------------------------------------------------------------------------
 
 
-def _cached_header(fingerprint: str, sizes: list[int], device: torch.device) -> torch.Tensor:
+def cached_header(fingerprint: str, sizes: list[int], device: torch.device) -> torch.Tensor:
+    """The sync header of ``sizes`` on ``device``, built once (a captured graph replays it)."""
     key = (device, fingerprint, tuple(sizes))
     head = _HEADERS.get(key)
     if head is None:
@@ -106,7 +107,7 @@ def pack(
     sizes = [s.numel() for s in segments]
     total = header_bytes(len(sizes)) + sum(sizes)
     _PACKED_SIZES.setdefault((fingerprint, len(sizes), total), set()).add(tuple(sizes))
-    return torch.cat([_cached_header(fingerprint, sizes, anchor.device), *segments])
+    return torch.cat([cached_header(fingerprint, sizes, anchor.device), *segments])
 
 
 def _host_table(world: int, chunk: int, head_len: int, sizes: tuple[int, ...]) -> list:
@@ -265,7 +266,7 @@ def pack_batched(
     counts = [s.numel() for s in cache_slots]
     sizes = [n * lay.bytes_per_row for n, lay in zip(counts, decoded)]
     sizes += [p.numel() * p.element_size() for p in payloads]
-    head = _cached_header(fingerprint, sizes, device)
+    head = cached_header(fingerprint, sizes, device)
     offsets, total = [], head.numel()
     for size in sizes:
         offsets.append(total)
