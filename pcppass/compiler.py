@@ -36,12 +36,12 @@ from pcppass.analysis import StateWrite
 from pcppass.checks import SyncChecks
 from pcppass.errors import PcpSyncError
 from pcppass.rewrite.insert import Schedule, SyncRewrite
-from pcppass.rewrite.sync_pass import Mode, OnUncovered, PcpSyncPass
-from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
-from pcppass.runtime.fingerprint import exchange_fingerprint
 from pcppass.rewrite.peer_store import TRANSPORTS, transports_of
+from pcppass.rewrite.sync_pass import Mode, OnUncovered, PcpSyncPass
 from pcppass.runtime import device_checks
 from pcppass.runtime.device_checks import DeviceSlotChecks
+from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
+from pcppass.runtime.fingerprint import exchange_fingerprint
 from pcppass.runtime.validate import InputValidator, validating
 
 __all__ = ["CompileReport", "Inner", "OnUncovered", "PcpBackend", "PcpSyncPass", "SyncChecks", "backend"]
