@@ -1,0 +1,284 @@
+"""Triton kernels of :mod:`pcppass.kernels.attention` (loaded once per Triton mode by
+:func:`pcppass.kernels.attention.launch.kernels`: ``triton.jit`` decides between compiling and
+interpreting when it decorates).
+
+Every attention kernel reads the paged caches through the block table, row by row of the step:
+
+* a *program tile* is ``BM`` rows of one local request (``ROW_MODE``: one row, its request
+  ``token_to_req[row]``, skipped when ``is_padding[row]``; otherwise the launcher's schedule gives
+  each tile its request, first row and row count);
+* the third grid axis splits the keys into ``SPLIT``-token ranges (flash-decoding); each split
+  writes an unnormalised partial output with its running max and sum, and
+  :func:`combine_kernel` merges them (``DIRECT``: one split, normalised output written at once).
+
+The split boundaries depend only on ``SPLIT`` (a constant per kernel), never on the batch: a row's
+result is the same whichever rows share its step.
+
+Row ``m`` of a tile's query block is (row ``m // GROUP``, head ``m % GROUP``): the heads that share
+one KV head (GQA) or the latent cache (MLA) are stacked into the M dimension of one ``tl.dot``.
+Scores are float32 (``exp2`` with ``log2(e)`` folded into the scale).
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def tile_rows(pid, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0, TILE_NROWS, ROW_MODE: tl.constexpr):
+    """(request, first row, number of rows) of program tile ``pid``."""
+    if ROW_MODE:
+        req = tl.load(TOKEN_TO_REQ + pid)
+        row0 = pid.to(tl.int64)
+        nrows = 1 - tl.load(IS_PADDING + pid).to(tl.int32)
+    else:
+        req = tl.load(TILE_REQ + pid)
+        row0 = tl.load(TILE_ROW0 + pid)
+        nrows = tl.load(TILE_NROWS + pid).to(tl.int32)
+    return req, row0, nrows
+
+
+@triton.jit
+def fdot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` accumulated in float32 (``IEEE``: exact float32 products, for float32 inputs)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i, acc):
+    """Fold one score tile ``s [M, BN]`` (log2 units, -inf masked) into the running max, sum and
+    rescaled accumulator; returns (p, m_new, l_new, acc rescaled)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
+def store_result(acc, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                 stride_ot, stride_oh, mask, DV: tl.constexpr, DIRECT: tl.constexpr):
+    """The normalised output (``DIRECT``) or this split's partial (acc, max, sum)."""
+    dv = tl.arange(0, DV)
+    if DIRECT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        ptr = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+        tl.store(ptr, out.to(OUT.dtype.element_ty), mask=mask[:, None])
+    else:
+        part = (row * num_heads + head) * num_splits + split
+        tl.store(PART_O + part[:, None] * DV + dv[None, :], acc, mask=mask[:, None])
+        tl.store(PART_ML + part * 2, m_i, mask=mask)
+        tl.store(PART_ML + part * 2 + 1, l_i, mask=mask)
+
+
+@triton.jit
+def gqa_kernel(
+    Q, K, V, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0, TILE_NROWS,
+    OUT, PART_O, PART_ML, K_SCALE, V_SCALE, qk_scale, num_splits, num_heads,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_table, stride_ot, stride_oh,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr, FP8: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Paged GQA attention: ``K``/``V`` caches ``[nb, bs, Hk, D]``; program (tile, kv head, split)."""
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    req, row0, nrows = tile_rows(pid, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0, TILE_NROWS, ROW_MODE)
+    if nrows > 0:
+        m = tl.arange(0, M)
+        r = m // GROUP
+        live = (r < nrows) & (m < BM * GROUP)
+        row = row0 + r
+        head = hk * GROUP + m % GROUP
+        pos = tl.load(POSITIONS + row, mask=live, other=-1)
+        d = tl.arange(0, D)
+        dv = tl.arange(0, DV)
+        q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=live[:, None], other=0.0)
+        if FP8:
+            k_scale = tl.load(K_SCALE)
+            v_scale = tl.load(V_SCALE)
+        lo = split * SPLIT
+        hi = tl.minimum(lo + SPLIT, tl.max(pos) + 1)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, DV], tl.float32)
+        table = TABLES + req * stride_table
+        for start in range(lo, hi, BN):
+            j = start + tl.arange(0, BN)
+            jm = j < hi
+            block = tl.load(table + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+            off = (j % BLOCK_SIZE).to(tl.int64)
+            k = tl.load(K + block[:, None] * stride_kb + off[:, None] * stride_ks + hk * stride_kh + d[None, :],
+                        mask=jm[:, None], other=0)
+            v = tl.load(V + block[:, None] * stride_vb + off[:, None] * stride_vs + hk * stride_vh + dv[None, :],
+                        mask=jm[:, None], other=0)
+            if FP8:  # e4m3 bits * per-tensor scale, in the query dtype (the reference's dequant)
+                k = (k.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale).to(q.dtype)
+                v = (v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * v_scale).to(q.dtype)
+            s = fdot(q, tl.trans(k), IEEE) * qk_scale
+            s = tl.where((j[None, :] <= pos[:, None]) & jm[None, :], s, float("-inf"))
+            p, m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
+            acc += fdot(p.to(v.dtype), v, IEEE)
+        store_result(acc, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                     stride_ot, stride_oh, live, DV, DIRECT)
+
+
+@triton.jit
+def load_latent(CACHE, SCALES, ROPE, block, off, jm, stride_b, stride_s,
+                L: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DS_MLA: tl.constexpr, DTYPE: tl.constexpr):
+    """Latent rows ``[BN, L]`` and RoPE rows ``[BN, R]`` of an MLA cache in ``DTYPE``.
+
+    ``DS_MLA``: uint8 rows of ``L`` e4m3 codes (tiles of 128), ``L/128`` float32 tile scales and
+    ``R`` bf16 values (``SCALES`` / ``ROPE``: the same bytes as float32 / bf16; strides in bytes).
+    Otherwise ``[L + R]`` values of the cache dtype. RoPE dims are padded to ``RP`` (zeros).
+    """
+    lat = tl.arange(0, L)
+    rot = tl.arange(0, RP)
+    rm = jm[:, None] & (rot < R)[None, :]
+    base = block * stride_b + off * stride_s
+    if DS_MLA:
+        NT: tl.constexpr = L // 128
+        codes = tl.load(CACHE + base[:, None] + lat[None, :], mask=jm[:, None], other=0)
+        tiles = tl.arange(0, NT)
+        scales = tl.load(SCALES + (base // 4)[:, None] + (L // 4 + tiles)[None, :], mask=jm[:, None], other=0.0)
+        values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), (codes.shape[0], NT, 128))
+        kv = tl.reshape(values * scales[:, :, None], (codes.shape[0], L)).to(DTYPE)
+        pe = tl.load(ROPE + (base // 2)[:, None] + ((L + 4 * NT) // 2 + rot)[None, :], mask=rm, other=0.0)
+        return kv, pe.to(DTYPE)
+    kv = tl.load(CACHE + base[:, None] + lat[None, :], mask=jm[:, None], other=0.0)
+    pe = tl.load(CACHE + base[:, None] + L + rot[None, :], mask=rm, other=0.0)
+    return kv.to(DTYPE), pe.to(DTYPE)
+
+
+@triton.jit
+def mla_kernel(
+    Q_LAT, Q_PE, CACHE, SCALES, ROPE, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0,
+    TILE_NROWS, INDEX, OUT, PART_O, PART_ML, qk_scale, num_splits, num_heads, index_len,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_it, stride_ot, stride_oh,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
+    L: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr, DS_MLA: tl.constexpr,
+    SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """MLA attention in the latent space over a paged latent cache; program (tile, head block, split).
+
+    Dense: keys are the positions ``<= positions[row]``. ``SPARSE`` (``BM == 1``): keys are the
+    logical positions ``INDEX[row, :index_len]``, ``-1`` marking an unused pick.
+    Output ``[T, H, L]``: ``softmax(q_lat . kv_c + q_pe . k_pe) @ kv_c``.
+    """
+    pid = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    req, row0, nrows = tile_rows(pid, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0, TILE_NROWS, ROW_MODE)
+    if nrows > 0:
+        m = tl.arange(0, M)
+        r = m // GROUP
+        live = (r < nrows) & (m < BM * GROUP)
+        row = row0 + r
+        head = hb * GROUP + m % GROUP
+        pos = tl.load(POSITIONS + row, mask=live, other=-1)
+        lat = tl.arange(0, L)
+        rot = tl.arange(0, RP)
+        q_lat = tl.load(Q_LAT + row[:, None] * stride_qt + head[:, None] * stride_qh + lat[None, :],
+                        mask=live[:, None], other=0.0)
+        q_pe = tl.load(Q_PE + row[:, None] * stride_pt + head[:, None] * stride_ph + rot[None, :],
+                       mask=live[:, None] & (rot < R)[None, :], other=0.0)
+        lo = split * SPLIT
+        if SPARSE:
+            hi = tl.minimum(lo + SPLIT, index_len)
+        else:
+            hi = tl.minimum(lo + SPLIT, tl.max(pos) + 1)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, L], tl.float32)
+        table = TABLES + req * stride_table
+        for start in range(lo, hi, BN):
+            j = start + tl.arange(0, BN)
+            jm = j < hi
+            if SPARSE:
+                key = tl.load(INDEX + row0 * stride_it + j, mask=jm, other=-1)
+                jm = jm & (key >= 0)
+                visible = jm[None, :] & live[:, None]
+            else:
+                key = j
+                visible = (j[None, :] <= pos[:, None]) & jm[None, :]
+            safe_key = tl.where(jm, key, 0)
+            block = tl.load(table + safe_key // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+            off = (safe_key % BLOCK_SIZE).to(tl.int64)
+            kv, pe = load_latent(CACHE, SCALES, ROPE, block, off, jm, stride_b, stride_s, L, R, RP, DS_MLA,
+                                 q_lat.dtype)
+            s = (fdot(q_lat, tl.trans(kv), IEEE) + fdot(q_pe, tl.trans(pe), IEEE)) * qk_scale
+            s = tl.where(visible, s, float("-inf"))
+            p, m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
+            acc += fdot(p.to(kv.dtype), kv, IEEE)
+        store_result(acc, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                     stride_ot, stride_oh, live, L, DIRECT)
+
+
+@triton.jit
+def combine_kernel(PART_O, PART_ML, IS_PADDING, OUT, num_splits, num_heads, stride_ot, stride_oh,
+                   DV: tl.constexpr, SP: tl.constexpr):
+    """Merge the splits of (row, head): ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``;
+    padding rows (and rows that saw no key) get zeros."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dv = tl.arange(0, DV)
+    s = tl.arange(0, SP)
+    sm = s < num_splits
+    part = (row * num_heads + head) * num_splits + s
+    pad = tl.load(IS_PADDING + row)
+    m_s = tl.load(PART_ML + part * 2, mask=sm & (pad == 0), other=float("-inf"))
+    l_s = tl.load(PART_ML + part * 2 + 1, mask=sm & (pad == 0), other=0.0)
+    m_max = tl.max(m_s, 0)
+    w = tl.exp2(m_s - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(w * l_s, 0)
+    acc = tl.load(PART_O + part[:, None] * DV + dv[None, :], mask=(sm & (pad == 0))[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(OUT + row * stride_ot + head * stride_oh + dv, out.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def indexer_kernel(
+    Q, WEIGHTS, CACHE, SCALES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, SCORES, span,
+    stride_qt, stride_qh, stride_wt, stride_b, stride_table, stride_st,
+    BLOCK_SIZE: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QBS: tl.constexpr,
+    BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Lightning-indexer scores of one row over one ``CHUNK`` of its positions (program (row, chunk)):
+    ``sum_h w[h] * relu(q[h] . k)`` with ``k`` = e4m3 codes * block scales read from the
+    block-split cache ``[nb, bs * (D + 4 * D / QBS)]`` (codes of all tokens, then their float32
+    scales; ``SCALES`` is the same bytes as float32). Only visible positions are written; the
+    launcher fills the rest with -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    if tl.load(IS_PADDING + row) == 0:
+        req = tl.load(TOKEN_TO_REQ + row)
+        pos = tl.load(POSITIONS + row)
+        h = tl.arange(0, HP)  # heads padded to a tl.dot size; padded heads weigh 0
+        d = tl.arange(0, D)
+        q = tl.load(Q + row * stride_qt + h[:, None] * stride_qh + d[None, :], mask=(h < HI)[:, None], other=0.0)
+        w = tl.load(WEIGHTS + row * stride_wt + h, mask=h < HI, other=0.0).to(tl.float32)
+        table = TABLES + req * stride_table
+        lo = chunk * CHUNK
+        hi = tl.minimum(tl.minimum(lo + CHUNK, pos + 1), span)
+        NQ: tl.constexpr = D // QBS
+        for start in range(lo, hi, BN):
+            j = start + tl.arange(0, BN)
+            jm = j < hi
+            block = tl.load(table + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+            off = (j % BLOCK_SIZE).to(tl.int64)
+            codes = tl.load(CACHE + block[:, None] * stride_b + off[:, None] * D + d[None, :], mask=jm[:, None], other=0)
+            scale_at = (block * stride_b + BLOCK_SIZE * D) // 4 + off * NQ
+            if NQ == 1:  # one scale per token (DeepSeek: D = QBS = 128)
+                scale = tl.load(SCALES + scale_at, mask=jm, other=0.0)[:, None]
+            else:
+                scale = tl.load(SCALES + scale_at[:, None] + (d // QBS)[None, :], mask=jm[:, None], other=0.0)
+            k = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(q.dtype)
+            s = tl.maximum(fdot(q, tl.trans(k), IEEE), 0.0)
+            score = tl.sum(s * w[:, None], 0)
+            tl.store(SCORES + row * stride_st + j, score, mask=jm)
