@@ -51,7 +51,7 @@ __all__ = [
     "mla_attend_paged",
     "mla_up_weights",
     "paged_kernels",
-    "paged_kernels_on_cpu",
+    "force_paged_kernels",
     "paged_rows",
     "read_indexer_keys",
     "reference_causal",
@@ -225,25 +225,27 @@ def mla_up_weights(kv_b_weight: torch.Tensor, heads: int, nope: int, v_head_dim:
 # ------------------------------------------------------------------- paged kernels (CUDA paths)
 
 
-_PAGED_ON_CPU = False
+_FORCED_PATH: bool | None = None
 
 
 def paged_kernels(x: torch.Tensor) -> bool:
-    """Whether attention runs through the paged kernels: on CUDA, and on CPU inside
-    :func:`paged_kernels_on_cpu` (tests, under ``TRITON_INTERPRET=1``). Elsewhere the models keep
-    their reference paths (gather every visible row, attend in plain torch)."""
-    return x.is_cuda or _PAGED_ON_CPU
+    """Whether attention runs through the paged kernels: on CUDA tensors, unless
+    :func:`force_paged_kernels` says otherwise (tests: the kernels on CPU under
+    ``TRITON_INTERPRET=1``, the reference paths on CUDA). Otherwise the models keep their reference
+    paths (gather every visible row, attend in plain torch)."""
+    return x.is_cuda if _FORCED_PATH is None else _FORCED_PATH
 
 
 @contextlib.contextmanager
-def paged_kernels_on_cpu() -> Iterator[None]:
-    """Run the models' kernel paths on CPU tensors (the Triton interpreter must be on)."""
-    global _PAGED_ON_CPU
-    previous, _PAGED_ON_CPU = _PAGED_ON_CPU, True
+def force_paged_kernels(enabled: bool) -> Iterator[None]:
+    """Inside the block, every model attends through the kernels (``True``) or the reference
+    paths (``False``) whatever the device."""
+    global _FORCED_PATH
+    previous, _FORCED_PATH = _FORCED_PATH, enabled
     try:
         yield
     finally:
-        _PAGED_ON_CPU = previous
+        _FORCED_PATH = previous
 
 
 def paged_rows(meta: dict[str, torch.Tensor], group: str, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -262,17 +264,21 @@ def mla_attend_paged(
     v_head_dim: int,
     scale: float,
     ds_mla: bool,
-    selected: torch.Tensor | None = None,
+    indexer: tuple | None = None,
 ) -> torch.Tensor:
     """:func:`mla_attend` on CUDA: the same weight absorption around a kernel that reads the latent
-    cache through the block table (``selected [T, k]``: only those positions, -1 unused).
-    ``rows`` is :func:`paged_rows` of the cache's group. Returns ``[T, H, V]``."""
+    cache through the block table; ``rows`` is :func:`paged_rows` of the cache's group. ``indexer``
+    = (q_idx, weights, indexer cache, indexer block table, quant_block_size, topk): attend only to
+    each row's top-k positions by the lightning indexer's score. Returns ``[T, H, V]``."""
     w_uk, w_uv = mla_up_weights(kv_b_weight, q_nope.shape[1], q_nope.shape[2], v_head_dim, kv_b_weight.shape[-1])
     q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
-    if selected is None:
+    if indexer is None:
         out_latent = torch.ops.pcppass.paged_mla_attention(q_latent, q_pe, cache, *rows, scale, ds_mla)
     else:
-        out_latent = torch.ops.pcppass.sparse_mla_attention(q_latent, q_pe, cache, *rows, selected, scale, ds_mla)
+        q_idx, weights, indexer_cache, indexer_table, quant_block_size, topk = indexer
+        out_latent = torch.ops.pcppass.indexer_sparse_mla_attention(
+            q_latent, q_pe, cache, rows[0], q_idx, weights, indexer_cache, indexer_table, *rows[1:],
+            quant_block_size, topk, scale, ds_mla)
     return torch.einsum("thl,hvl->thv", out_latent, w_uv)
 
 

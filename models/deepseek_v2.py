@@ -111,11 +111,11 @@ class MLALatentReader:
         out = mla_attend(q_nope, q_pe, kv_c, k_pe, valid, self.kv_b_proj.weight, self.cfg.v_head_dim, self.scale)
         return self.o_proj(out.flatten(1))
 
-    def _out_paged(self, q_nope, q_pe, cache, rows, selected=None) -> torch.Tensor:
+    def _out_paged(self, q_nope, q_pe, cache, rows, indexer=None) -> torch.Tensor:
         """CUDA: :meth:`_out` with a kernel reading ``cache`` through the block table (``rows``:
-        :func:`paged_rows` of the MLA group; ``selected``: sparse positions)."""
+        :func:`paged_rows` of the MLA group; ``indexer``: see :func:`mla_attend_paged`)."""
         out = mla_attend_paged(q_nope, q_pe, cache, rows, self.kv_b_proj.weight, self.cfg.v_head_dim, self.scale,
-                               self.cfg.kv_cache_dtype == "fp8_ds_mla", selected)
+                               self.cfg.kv_cache_dtype == "fp8_ds_mla", indexer)
         return self.o_proj(out.flatten(1))
 
 

@@ -122,3 +122,32 @@ def indexer_cache(step: Step, head_dim: int, quant_block_size: int, device="cpu"
     codes, scales = encode_indexer_rows(keys, quant_block_size, "ue8m0")
     nb, bs = step.num_blocks, step.block_size
     return torch.cat((codes.view(nb, bs * head_dim), scales.view(nb, -1)), 1).to(device)
+
+
+def kernel_vs_reference_run(model, engine_config: dict, workload_config) -> list[float]:
+    """Serve a workload through the engine; every step runs the model's reference path on a copy of
+    the caches and its kernel path on the caches, and records the largest difference of the hidden
+    rows relative to the reference's largest value. The reference's writes are kept, so every step
+    starts from the same caches. Returns the per-step errors."""
+    from pcppass.engine import Engine, generate_workload
+    from pcppass.models.common import force_paged_kernels
+
+    errors = []
+
+    def runner(ids, positions, meta, caches, step_kind):
+        reference_caches = {k: v.clone() for k, v in caches.items()}
+        with force_paged_kernels(False):
+            reference = model(ids, positions, meta, reference_caches)
+        with force_paged_kernels(True):
+            out = model(ids, positions, meta, caches)
+        live = ~meta["is_padding"]
+        errors.append(float((out[live].float() - reference[live].float()).abs().max()
+                            / reference[live].float().abs().max()))
+        for k, v in caches.items():
+            v.copy_(reference_caches[k])
+        return reference
+
+    engine = Engine(model, runner=runner, **engine_config)
+    engine.add_requests(generate_workload(workload_config))
+    engine.run()
+    return errors

@@ -16,6 +16,7 @@ import torch
 
 from attention_cases import (
     indexer_cache,
+    kernel_vs_reference_run,
     make_step,
     mla_cache,
     reference_gqa,
@@ -125,29 +126,42 @@ def test_indexer_scores_and_topk_match_reference(mode):
 def test_model_kernel_paths_match_reference_paths(name, cache_dtype):
     """A workload through the engine (prefill chunks, decode rows, a shared prefix): each step's
     hidden rows from the kernel path agree with the reference path on the same caches."""
-    from pcppass.engine import Engine, WorkloadConfig, generate_workload
+    from pcppass.engine import WorkloadConfig
     from pcppass.models import build_model
-    from pcppass.models.common import paged_kernels_on_cpu
 
     assert os.environ["TRITON_INTERPRET"] == "1"
-    model = build_model(name, "tiny", kv_cache_dtype=cache_dtype)
-    errors = []
-
-    def runner(ids, positions, meta, caches, step_kind):
-        reference_caches = {k: v.clone() for k, v in caches.items()}
-        reference = model(ids, positions, meta, reference_caches)
-        with paged_kernels_on_cpu():
-            out = model(ids, positions, meta, caches)
-        live = ~meta["is_padding"]
-        errors.append(float((out[live] - reference[live]).abs().max() / reference[live].abs().max()))
-        for k, v in caches.items():  # continue from the reference's writes
-            v.copy_(reference_caches[k])
-        return reference
-
-    requests = generate_workload(WorkloadConfig(num_requests=3, prompt_len=(6, 16), max_new_tokens=(3, 4),
-                                                prefix_hit_rate=0.5, block_size=8, vocab_size=256))
-    engine = Engine(model, runner=runner, num_blocks=48, max_num_batched_tokens=20, max_model_len=48)
-    engine.add_requests(requests)
-    engine.run()
+    errors = kernel_vs_reference_run(
+        build_model(name, "tiny", kv_cache_dtype=cache_dtype),
+        dict(num_blocks=48, max_num_batched_tokens=20, max_model_len=48),
+        WorkloadConfig(num_requests=3, prompt_len=(6, 16), max_new_tokens=(3, 4), prefix_hit_rate=0.5, block_size=8,
+                       vocab_size=256))
     # fp8 caches: a last-bit difference in layer 1 can move one fp8 code that layer 2 writes
     assert len(errors) >= 4 and max(errors) < (1e-3 if cache_dtype == "fp8" else 1e-5), errors
+
+
+def _sharded_kernel_steps(rank, world, name):
+    from pcppass.backend import PcpBackend
+    from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
+    from pcppass.models import build_model
+    from pcppass.models.common import force_paged_kernels
+
+    with force_paged_kernels(True):
+        model = build_model(name, "tiny")
+        setup = DecodeSetup(model, requests=4, max_context=9, extra=4, seed=3, device="cpu")
+        backend = PcpBackend(schedule="deferred", inner="aot_eager")
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        for step in range(3):
+            compiled(*setup.step(owned(4, world, rank, step), 9, 9 + step), setup.caches)
+    ops = {str(n.target) for r in backend.reports for n in r.graph.graph.nodes if n.op == "call_function"}
+    return caches_equal_across_ranks(setup.caches), [r.mode for r in backend.reports], ops
+
+
+@pytest.mark.timeout(300)
+def test_kernel_paths_shard_under_the_backend():
+    """DeepSeek-V3.2's kernel path (indexer + top-k + sparse MLA in one read-only op) traces, is
+    fully covered, shards with one deferred sync, and keeps replicas equal at P = 2."""
+    from pcppass.engine.launch import launch
+
+    for equal, modes, ops in launch(_sharded_kernel_steps, 2, "deepseek_v32", backend="gloo", timeout_s=280):
+        assert all(equal.values()) and modes == ["sharded"]
+        assert "pcppass.indexer_sparse_mla_attention" in ops

@@ -9,8 +9,8 @@ op                                  returns
 ==================================  ===============================================================
 ``paged_gqa_attention``             ``[T, H, Dv]`` causal attention over paged K/V caches
 ``paged_mla_attention``             ``[T, H, L]`` latent MLA attention over a paged latent cache
-``sparse_mla_attention``            ``[T, H, L]`` the same over each row's selected positions only
-``lightning_indexer_topk``          ``[T, k]`` int64: the top-k positions by indexer score, -1 unused
+``indexer_sparse_mla_attention``    ``[T, H, L]`` the same over each row's top-k positions by the
+                                    lightning indexer's score (DeepSeek-V3.2)
 ==================================  ===============================================================
 """
 
@@ -57,33 +57,25 @@ def _(q_latent, q_pe, kv_cache, block_table, positions, token_to_req, query_star
     return torch.empty_like(q_latent)
 
 
-@torch.library.custom_op("pcppass::sparse_mla_attention", mutates_args=())
-def sparse_mla_attention(
+@torch.library.custom_op("pcppass::indexer_sparse_mla_attention", mutates_args=())
+def indexer_sparse_mla_attention(
     q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+    q_index: torch.Tensor, index_weights: torch.Tensor, indexer_cache: torch.Tensor, indexer_block_table: torch.Tensor,
     positions: torch.Tensor, token_to_req: torch.Tensor, query_start_loc: torch.Tensor, is_padding: torch.Tensor,
-    index: torch.Tensor, scale: float, ds_mla: bool,
+    quant_block_size: int, topk: int, scale: float, ds_mla: bool,
 ) -> torch.Tensor:
+    """DeepSeek-V3.2 sparse attention in one op: lightning-indexer scores over the fp8 indexer
+    cache, the top-``topk`` positions, MLA over those rows of the latent cache. (One op, so the
+    selection never leaves it: an op whose result only feeds another opaque op would look like a
+    dependency token to the state-write analysis, which then suspects a hidden write.)"""
+    index_rows = _rows(indexer_block_table, positions, token_to_req, query_start_loc, is_padding)
+    selected = launch.select_topk(launch.indexer_scores(q_index, index_weights, indexer_cache, index_rows,
+                                                        quant_block_size), topk)
     rows = _rows(block_table, positions, token_to_req, query_start_loc, is_padding)
-    return launch.mla_attention(q_latent, q_pe, kv_cache, rows, scale, ds_mla, index)
+    return launch.mla_attention(q_latent, q_pe, kv_cache, rows, scale, ds_mla, selected)
 
 
-@sparse_mla_attention.register_fake
-def _(q_latent, q_pe, kv_cache, block_table, positions, token_to_req, query_start_loc, is_padding, index,
-      scale, ds_mla):
+@indexer_sparse_mla_attention.register_fake
+def _(q_latent, q_pe, kv_cache, block_table, q_index, index_weights, indexer_cache, indexer_block_table, positions,
+      token_to_req, query_start_loc, is_padding, quant_block_size, topk, scale, ds_mla):
     return torch.empty_like(q_latent)
-
-
-@torch.library.custom_op("pcppass::lightning_indexer_topk", mutates_args=())
-def lightning_indexer_topk(
-    q: torch.Tensor, weights: torch.Tensor, indexer_cache: torch.Tensor, block_table: torch.Tensor,
-    positions: torch.Tensor, token_to_req: torch.Tensor, query_start_loc: torch.Tensor, is_padding: torch.Tensor,
-    quant_block_size: int, topk: int,
-) -> torch.Tensor:
-    rows = _rows(block_table, positions, token_to_req, query_start_loc, is_padding)
-    return launch.select_topk(launch.indexer_scores(q, weights, indexer_cache, rows, quant_block_size), topk)
-
-
-@lightning_indexer_topk.register_fake
-def _(q, weights, indexer_cache, block_table, positions, token_to_req, query_start_loc, is_padding,
-      quant_block_size, topk):
-    return q.new_empty((q.shape[0], topk), dtype=torch.int64)
