@@ -104,7 +104,7 @@ def gqa_kernel(
             k_scale = tl.load(K_SCALE)
             v_scale = tl.load(V_SCALE)
         lo = split * SPLIT
-        hi = tl.minimum(lo + SPLIT, tl.max(pos) + 1)
+        hi = tl.minimum(lo + SPLIT, tl.max(pos) + 1).to(tl.int32)
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, DV], tl.float32)
@@ -190,9 +190,9 @@ def mla_kernel(
                        mask=live[:, None] & (rot < R)[None, :], other=0.0)
         lo = split * SPLIT
         if SPARSE:
-            hi = tl.minimum(lo + SPLIT, index_len)
+            hi = tl.minimum(lo + SPLIT, index_len).to(tl.int32)
         else:
-            hi = tl.minimum(lo + SPLIT, tl.max(pos) + 1)
+            hi = tl.minimum(lo + SPLIT, tl.max(pos) + 1).to(tl.int32)
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, L], tl.float32)
@@ -265,7 +265,7 @@ def indexer_kernel(
         w = tl.load(WEIGHTS + row * stride_wt + h, mask=h < HI, other=0.0).to(tl.float32)
         table = TABLES + req * stride_table
         lo = chunk * CHUNK
-        hi = tl.minimum(tl.minimum(lo + CHUNK, pos + 1), span)
+        hi = tl.minimum(tl.minimum(lo + CHUNK, pos + 1), span).to(tl.int32)
         NQ: tl.constexpr = D // QBS
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
