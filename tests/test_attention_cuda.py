@@ -98,7 +98,7 @@ def test_rows_do_not_depend_on_their_step_and_graph_replays_match():
     graph's replay gives the eager bytes."""
     from pcppass.kernels.attention.launch import StepRows, gqa_attention, mla_attention
 
-    many = make_step([(1, 3000 + 37 * i) for i in range(64)], 0, 64, 72, device="cuda")
+    many = make_step([(1, 3000 + 37 * i) for i in range(64)], 0, 64, 90, device="cuda")
     r = many.rows
     first = StepRows(r.tables[:1], r.positions[:1], r.token_to_req[:1], r.query_start_loc[:2], r.is_padding[:1])
     k = torch.randn(many.num_blocks, 64, 8, 128, device="cuda", dtype=torch.bfloat16)
