@@ -40,6 +40,18 @@ def tile_rows(pid, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0, TILE_NROWS, RO
 
 
 @triton.jit
+def tile_lanes(row0, nrows, block, POSITIONS, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr):
+    """Lane ``m`` of a tile's query block: (live, row, head, position); row ``m // GROUP`` of the
+    tile, head ``m % GROUP`` of the ``block``-th group of heads."""
+    m = tl.arange(0, M)
+    r = m // GROUP
+    live = (r < nrows) & (m < BM * GROUP)
+    row = row0 + r
+    head = block * GROUP + m % GROUP
+    return live, row, head, tl.load(POSITIONS + row, mask=live, other=-1)
+
+
+@triton.jit
 def fdot(a, b, IEEE: tl.constexpr):
     """``a @ b`` accumulated in float32 (``IEEE``: exact float32 products, for float32 inputs)."""
     if IEEE:
@@ -90,12 +102,7 @@ def gqa_kernel(
     split = tl.program_id(2)
     req, row0, nrows = tile_rows(pid, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0, TILE_NROWS, ROW_MODE)
     if nrows > 0:
-        m = tl.arange(0, M)
-        r = m // GROUP
-        live = (r < nrows) & (m < BM * GROUP)
-        row = row0 + r
-        head = hk * GROUP + m % GROUP
-        pos = tl.load(POSITIONS + row, mask=live, other=-1)
+        live, row, head, pos = tile_lanes(row0, nrows, hk, POSITIONS, GROUP, BM, M)
         d = tl.arange(0, D)
         dv = tl.arange(0, DV)
         q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -162,8 +169,8 @@ def mla_kernel(
     TILE_NROWS, INDEX, OUT, PART_O, PART_ML, qk_scale, num_splits, num_heads, index_len,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_it, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
-    L: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr, DS_MLA: tl.constexpr,
-    SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    L: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr,
+    DS_MLA: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """MLA attention in the latent space over a paged latent cache; program (tile, head block, split).
 
@@ -176,12 +183,7 @@ def mla_kernel(
     split = tl.program_id(2)
     req, row0, nrows = tile_rows(pid, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0, TILE_NROWS, ROW_MODE)
     if nrows > 0:
-        m = tl.arange(0, M)
-        r = m // GROUP
-        live = (r < nrows) & (m < BM * GROUP)
-        row = row0 + r
-        head = hb * GROUP + m % GROUP
-        pos = tl.load(POSITIONS + row, mask=live, other=-1)
+        live, row, head, pos = tile_lanes(row0, nrows, hb, POSITIONS, GROUP, BM, M)
         lat = tl.arange(0, L)
         rot = tl.arange(0, RP)
         q_lat = tl.load(Q_LAT + row[:, None] * stride_qt + head[:, None] * stride_qh + lat[None, :],
