@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The runs behind bench/results/*attention* (nvidia-h200-x2, from the repository root; installs pcppass editable).
 #   stage 1: GPU tests of the paged attention kernels (GPU 1) beside the kernel bench (GPU 0), then
-#            decode steps with the kernels, 2 layers, llama and deepseek_v32, P = 2, eager and CUDA graphs
-#   stage 2: decode steps of a 16-layer deepseek_v32, then the serving bench (deepseek_v32, 2 layers)
+#            decode steps with the kernels, 2 layers, llama and deepseek_v32, P = 2, eager and CUDA graphs,
+#            then the serving bench (llama, 2 layers, 32 requests per run)
+#   stage 2: decode steps of 16-layer models, the serving bench on deepseek_v32 (64 requests per run)
 # NVLink multicast stays off on shared GPU hosts; every multi-GPU command has a timeout.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -12,21 +13,23 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 case "${1:-1}" in
 1)
-  (CUDA_VISIBLE_DEVICES=1 timeout 240 python3 -m pytest tests/test_attention_cuda.py -q -p no:cacheprovider \
+  (CUDA_VISIBLE_DEVICES=1 timeout 100 python3 -m pytest tests/test_attention_cuda.py -q -p no:cacheprovider \
      > "$OUT/gpu_tests_attention_h200.log" 2>&1; echo "pytest exit $?" >> "$OUT/gpu_tests_attention_h200.log") &
-  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m pcppass bench kernels --rows 32,64 --context 16384,32768 --reps 10 \
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pcppass bench kernels --rows 32,64 --context 16384,32768 --reps 10 \
     --out "$OUT" --tag h200 2>&1 | grep -v "^|"
   wait
-  tail -4 "$OUT/gpu_tests_attention_h200.log"
-  timeout 300 python3 -m pcppass bench --model llama,deepseek_v32 --layers 2 --world 2 --rows-per-rank 8,32 \
+  tail -3 "$OUT/gpu_tests_attention_h200.log"
+  timeout 110 python3 -m pcppass bench --model llama,deepseek_v32 --layers 2 --world 2 --rows-per-rank 8,32 \
     --context 32768 --variants replicated,immediate,deferred,deferred_nochecks,nosync --cuda-graph \
-    --out "$OUT" --tag h200x2_attention_l2 --timeout 290
+    --out "$OUT" --tag h200x2_attention_l2 --timeout 105 | tail -30
+  timeout 130 python3 -m pcppass bench serve --model llama --layers 2 --world 2 --requests 32 --no-progress \
+    --out "$OUT" --tag h200x2_llama --timeout 125 | tail -30
   ;;
-2)
-  timeout 230 python3 -m pcppass bench --model deepseek_v32 --layers 16 --world 2 --rows-per-rank 32 \
-    --context 32768 --variants replicated,immediate,deferred,nosync --cuda-graph \
-    --out "$OUT" --tag h200x2_attention_l16 --timeout 220
-  timeout 330 python3 -m pcppass bench serve --model deepseek_v32 --layers 2 --world 2 \
-    --out "$OUT" --tag h200x2_v32 --timeout 320
+2)  # not run yet (device budget): the deep model and the DeepSeek-V3.2 serving run
+  timeout 400 python3 -m pcppass bench --model deepseek_v32,llama --layers 16 --world 2 --rows-per-rank 32 \
+    --context 32768 --variants replicated,immediate,deferred,deferred_nochecks,nosync --cuda-graph \
+    --out "$OUT" --tag h200x2_attention_l16 --timeout 390
+  timeout 590 python3 -m pcppass bench serve --model deepseek_v32 --layers 2 --world 2 \
+    --out "$OUT" --tag h200x2_v32 --timeout 580
   ;;
 esac

@@ -192,6 +192,10 @@ def bench_model(rank: int, world: int, cfg: StepBenchConfig, name: str, layers: 
                 entry["bare_all_gather_sync_bytes"] = bare_all_gather_us(deferred["sync_bytes_sent"])
             if cfg.cuda_graph:
                 for v, step in steps.items():
+                    ok, why = sync_info.capturable(compiled[v][1])
+                    if not ok:
+                        entry["variants"][v]["cuda_graph"] = {"captured": False, "reason": why}
+                        continue
                     ms, status = time_graph(step, cfg.warmup, cfg.reps)
                     if ms is None:
                         entry["variants"][v]["cuda_graph"] = {"captured": False, "reason": status}

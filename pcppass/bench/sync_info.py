@@ -38,3 +38,20 @@ def checks(backend: Any) -> dict[str, Any]:
         return asdict(value)
     except TypeError:
         return {"checks": repr(value)}
+
+
+def capturable(backend: Any) -> tuple[bool, str]:
+    """Whether a step compiled by ``backend`` can be captured in a CUDA graph, and why not.
+
+    A backend may say so itself (a ``capturable`` attribute); otherwise a step is capturable when
+    none of the checks that read the device on the host is on. Trying anyway is not harmless: the
+    failing sync op fails the step, and a failed sharded step aborts the process group (fail-stop).
+    """
+    if backend is None:
+        return True, ""
+    explicit = getattr(backend, "capturable", None)
+    if explicit is not None:
+        return bool(explicit), "" if explicit else "the backend says its steps cannot be captured"
+    checks = getattr(backend, "checks", None)
+    host = [name for name in ("inputs", "header", "slot_conflicts") if getattr(checks, name, False)]
+    return not host, f"checks that read the device on the host are on: {', '.join(host)}" if host else ""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -195,6 +194,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     """
     q_lat, q_pe = _rows_of(q_lat), _rows_of(q_pe)
     t, heads, lat = q_lat.shape
+    if lat > 128 and lat % 128 or lat // 128 not in (0, 1, 2, 4) or lat < 128 and lat & (lat - 1):
+        raise ValueError(f"mla_attention: latent width {lat}: a power of two up to 128, or 256 or 512")
     rope = q_pe.shape[2]
     nb, bs = cache.shape[0], cache.shape[1]
     group = mla_heads_per_program(heads)
@@ -249,35 +250,23 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     return scores
 
 
-def _monotonic(x: float) -> int:
-    bits = struct.unpack("<i", struct.pack("<f", x))[0]
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-#: the high half of ``ordered_keys`` for a -inf score (a position nothing may pick)
-_NEG_INF_MONOTONIC = _monotonic(float("-inf"))
-
-
-def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordered like ``(score, -position)``: the float32 bits made monotonic (negative
-    values' magnitude bits flipped) in the high half, ``span - 1 - position`` in the low half, so
-    the largest keys are the largest scores, the lowest position first among exact ties."""
-    bits = scores.contiguous().view(torch.int32)
-    monotonic = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
-    span = scores.shape[1]
-    tiebreak = span - 1 - torch.arange(span, device=scores.device, dtype=torch.int64)
-    return (monotonic << 32) | tiebreak
-
-
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Logical positions of the ``k`` largest scores per row, ascending, ``-1`` for picks with no
-    visible candidate. The same set as the reference's stable sort (lowest position first among
-    equal scores), chosen by ``torch.topk`` (a radix select: the context is never sorted); only
-    the ``k`` picks are sorted, so the order is a function of the set."""
+    visible candidate (score -inf): the set the reference's stable sort picks (the lowest positions
+    among scores equal to the k-th largest).
+
+    ``torch.topk`` gives the k-th largest score (a radix select: the context is never sorted); every
+    position above it is taken, and of the positions equal to it the first ones up to ``k``; a
+    running count puts the taken positions in order. No host reads, fixed shapes."""
     if scores.shape[1] < k:
         scores = torch.cat((scores, scores.new_full((scores.shape[0], k - scores.shape[1]), float("-inf"))), 1)
-    span = scores.shape[1]
-    keys = torch.topk(ordered_keys(scores), k, dim=1, sorted=False).values
-    position = span - 1 - (keys & 0xFFFFFFFF)
-    visible = (keys >> 32) > _NEG_INF_MONOTONIC
-    return torch.sort(torch.where(visible, position, -1), dim=1).values
+    rows, span = scores.shape
+    kth = torch.topk(scores, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    above = scores > kth
+    tied = scores == kth
+    take = above | (tied & (torch.cumsum(tied, 1) <= k - above.sum(1, keepdim=True)))
+    column = torch.where(take, torch.cumsum(take, 1) - 1, k)  # untaken positions land in a spare column
+    position = torch.arange(span, device=scores.device).expand(rows, span)
+    picked = torch.full((rows, k + 1), -1, dtype=torch.int64, device=scores.device)
+    picked.scatter_(1, column, torch.where(scores > float("-inf"), position, -1))
+    return picked[:, :k]

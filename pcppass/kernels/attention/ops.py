@@ -54,7 +54,7 @@ def paged_mla_attention(
 @paged_mla_attention.register_fake
 def _(q_latent, q_pe, kv_cache, block_table, positions, token_to_req, query_start_loc, is_padding, scale,
       ds_mla):
-    return torch.empty_like(q_latent)
+    return q_latent.new_empty(q_latent.shape)  # contiguous, as the kernel writes it
 
 
 @torch.library.custom_op("pcppass::indexer_sparse_mla_attention", mutates_args=())
@@ -78,4 +78,4 @@ def indexer_sparse_mla_attention(
 @indexer_sparse_mla_attention.register_fake
 def _(q_latent, q_pe, kv_cache, block_table, q_index, index_weights, indexer_cache, indexer_block_table, positions,
       token_to_req, query_start_loc, is_padding, quant_block_size, topk, scale, ds_mla):
-    return torch.empty_like(q_latent)
+    return q_latent.new_empty(q_latent.shape)  # contiguous, as the kernel writes it

@@ -60,30 +60,33 @@ def fdot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(s, m_i, l_i, acc):
-    """Fold one score tile ``s [M, BN]`` (log2 units, -inf masked) into the running max, sum and
-    rescaled accumulator; returns (p, m_new, l_new, acc rescaled)."""
+def online_softmax_step(s, m_i, l_i):
+    """Fold one score tile ``s [M, BN]`` (log2 units, -inf masked) into the running max and sum;
+    returns (p, alpha: the factor that rescales earlier accumulators, new max, new sum)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
 def store_result(acc, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
-                 stride_ot, stride_oh, mask, DV: tl.constexpr, DIRECT: tl.constexpr):
-    """The normalised output (``DIRECT``) or this split's partial (acc, max, sum)."""
+                 stride_ot, stride_oh, mask, col0, DV: tl.constexpr, WIDTH: tl.constexpr, DIRECT: tl.constexpr,
+                 STORE_ML: tl.constexpr):
+    """Columns ``[col0, col0 + DV)`` of the normalised output (``DIRECT``) or of this split's
+    partial (acc, and with ``STORE_ML`` the running max and sum)."""
     dv = tl.arange(0, DV)
     if DIRECT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        ptr = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+        ptr = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + col0 + dv[None, :]
         tl.store(ptr, out.to(OUT.dtype.element_ty), mask=mask[:, None])
     else:
         part = (row * num_heads + head) * num_splits + split
-        tl.store(PART_O + part[:, None] * DV + dv[None, :], acc, mask=mask[:, None])
-        tl.store(PART_ML + part * 2, m_i, mask=mask)
-        tl.store(PART_ML + part * 2 + 1, l_i, mask=mask)
+        tl.store(PART_O + part[:, None] * WIDTH + col0 + dv[None, :], acc, mask=mask[:, None])
+        if STORE_ML:
+            tl.store(PART_ML + part * 2, m_i, mask=mask)
+            tl.store(PART_ML + part * 2 + 1, l_i, mask=mask)
 
 
 @triton.jit
@@ -107,9 +110,8 @@ def gqa_kernel(
         dv = tl.arange(0, DV)
         q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=live[:, None], other=0.0)
-        if FP8:
-            k_scale = tl.load(K_SCALE)
-            v_scale = tl.load(V_SCALE)
+        if FP8:  # per-tensor scales: on the scores and on the output (the codes go to the dot as they are)
+            qk_scale = qk_scale * tl.load(K_SCALE)
         lo = split * SPLIT
         hi = tl.minimum(lo + SPLIT, tl.max(pos) + 1).to(tl.int32)
         m_i = tl.full([M], float("-inf"), tl.float32)
@@ -125,42 +127,50 @@ def gqa_kernel(
                         mask=jm[:, None], other=0)
             v = tl.load(V + block[:, None] * stride_vb + off[:, None] * stride_vs + hk * stride_vh + dv[None, :],
                         mask=jm[:, None], other=0)
-            if FP8:  # e4m3 bits * per-tensor scale, in the query dtype (the reference's dequant)
-                k = (k.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale).to(q.dtype)
-                v = (v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * v_scale).to(q.dtype)
+            if FP8:
+                k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
             s = fdot(q, tl.trans(k), IEEE) * qk_scale
             s = tl.where((j[None, :] <= pos[:, None]) & jm[None, :], s, float("-inf"))
-            p, m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
-            acc += fdot(p.to(v.dtype), v, IEEE)
+            p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
+            acc = acc * alpha[:, None] + fdot(p.to(v.dtype), v, IEEE)
+        if FP8:
+            acc = acc * tl.load(V_SCALE)
         store_result(acc, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
-                     stride_ot, stride_oh, live, DV, DIRECT)
+                     stride_ot, stride_oh, live, 0, DV, DV, DIRECT, True)
 
 
 @triton.jit
-def load_latent(CACHE, SCALES, ROPE, block, off, jm, stride_b, stride_s,
-                L: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DS_MLA: tl.constexpr, DTYPE: tl.constexpr):
-    """Latent rows ``[BN, L]`` and RoPE rows ``[BN, R]`` of an MLA cache in ``DTYPE``.
-
-    ``DS_MLA``: uint8 rows of ``L`` e4m3 codes (tiles of 128), ``L/128`` float32 tile scales and
-    ``R`` bf16 values (``SCALES`` / ``ROPE``: the same bytes as float32 / bf16; strides in bytes).
-    Otherwise ``[L + R]`` values of the cache dtype. RoPE dims are padded to ``RP`` (zeros).
-    """
-    lat = tl.arange(0, L)
-    rot = tl.arange(0, RP)
-    rm = jm[:, None] & (rot < R)[None, :]
-    base = block * stride_b + off * stride_s
+def latent_tile(CACHE, SCALES, base, jm, c: tl.constexpr, L: tl.constexpr, TL: tl.constexpr, DS_MLA: tl.constexpr,
+                DTYPE: tl.constexpr):
+    """Latent dims ``[c*TL, (c+1)*TL)`` of ``BN`` cache rows (``base``: each row's byte / element
+    offset) in ``DTYPE``, and each row's scale of that tile. ``DS_MLA``: e4m3 codes (converted
+    as they are) and the tile's float32 scale, read from the row's scale block (``SCALES``: the same
+    bytes as float32); plain caches: the values, scale 1."""
+    t = tl.arange(0, TL)
     if DS_MLA:
-        NT: tl.constexpr = L // 128
-        codes = tl.load(CACHE + base[:, None] + lat[None, :], mask=jm[:, None], other=0)
-        tiles = tl.arange(0, NT)
-        scales = tl.load(SCALES + (base // 4)[:, None] + (L // 4 + tiles)[None, :], mask=jm[:, None], other=0.0)
-        values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), (codes.shape[0], NT, 128))
-        kv = tl.reshape(values * scales[:, :, None], (codes.shape[0], L)).to(DTYPE)
-        pe = tl.load(ROPE + (base // 2)[:, None] + ((L + 4 * NT) // 2 + rot)[None, :], mask=rm, other=0.0)
-        return kv, pe.to(DTYPE)
-    kv = tl.load(CACHE + base[:, None] + lat[None, :], mask=jm[:, None], other=0.0)
-    pe = tl.load(CACHE + base[:, None] + L + rot[None, :], mask=rm, other=0.0)
-    return kv.to(DTYPE), pe.to(DTYPE)
+        codes = tl.load(CACHE + base[:, None] + c * TL + t[None, :], mask=jm[:, None], other=0)
+        scale = tl.load(SCALES + base // 4 + L // 4 + c, mask=jm, other=0.0)
+        return codes.to(tl.float8e4nv, bitcast=True).to(DTYPE), scale
+    values = tl.load(CACHE + base[:, None] + c * TL + t[None, :], mask=jm[:, None], other=0.0)
+    return values.to(DTYPE), tl.full(jm.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def latent_scores(q, kv, scale, DS_MLA: tl.constexpr, IEEE: tl.constexpr):
+    """``q_tile . kv_tile`` per (query, key), times each key's tile scale."""
+    s = fdot(q, tl.trans(kv), IEEE)
+    if DS_MLA:
+        s = s * scale[None, :]
+    return s
+
+
+@triton.jit
+def latent_values(acc, alpha, p, kv, scale, DS_MLA: tl.constexpr, IEEE: tl.constexpr):
+    """``acc * alpha + p @ (kv * scale)``, the scale folded into ``p`` (per key)."""
+    if DS_MLA:
+        p = p * scale[None, :]
+    return acc * alpha[:, None] + fdot(p.to(kv.dtype), kv, IEEE)
 
 
 @triton.jit
@@ -177,17 +187,34 @@ def mla_kernel(
     Dense: keys are the positions ``<= positions[row]``. ``SPARSE`` (``BM == 1``): keys are the
     logical positions ``INDEX[row, :index_len]``, ``-1`` marking an unused pick.
     Output ``[T, H, L]``: ``softmax(q_lat . kv_c + q_pe . k_pe) @ kv_c``.
+
+    The latent dims are processed in ``NT`` tiles of ``TL = min(L, 128)`` (the fp8_ds_mla
+    quantisation tiles; at most 4): fp8 codes enter the dots as they are, their tile scale
+    multiplies the scores and the probabilities instead of every value.
+    ``DS_MLA`` rows: ``L`` e4m3 codes, ``L/128`` float32 scales, ``R`` bf16 RoPE values
+    (``SCALES`` / ``ROPE``: the same bytes as float32 / bf16; strides in bytes).
     """
+    TL: tl.constexpr = L if L < 128 else 128
+    NT: tl.constexpr = L // TL
     pid = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
     req, row0, nrows = tile_rows(pid, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0, TILE_NROWS, ROW_MODE)
     if nrows > 0:
         live, row, head, pos = tile_lanes(row0, nrows, hb, POSITIONS, GROUP, BM, M)
-        lat = tl.arange(0, L)
+        t = tl.arange(0, TL)
         rot = tl.arange(0, RP)
-        q_lat = tl.load(Q_LAT + row[:, None] * stride_qt + head[:, None] * stride_qh + lat[None, :],
-                        mask=live[:, None], other=0.0)
+        q_at = Q_LAT + row[:, None] * stride_qt + head[:, None] * stride_qh + t[None, :]
+        q0 = tl.load(q_at, mask=live[:, None], other=0.0)
+        acc0 = tl.zeros([M, TL], tl.float32)
+        if NT > 1:
+            q1 = tl.load(q_at + TL, mask=live[:, None], other=0.0)
+            acc1 = tl.zeros([M, TL], tl.float32)
+        if NT > 2:
+            q2 = tl.load(q_at + 2 * TL, mask=live[:, None], other=0.0)
+            q3 = tl.load(q_at + 3 * TL, mask=live[:, None], other=0.0)
+            acc2 = tl.zeros([M, TL], tl.float32)
+            acc3 = tl.zeros([M, TL], tl.float32)
         q_pe = tl.load(Q_PE + row[:, None] * stride_pt + head[:, None] * stride_ph + rot[None, :],
                        mask=live[:, None] & (rot < R)[None, :], other=0.0)
         lo = split * SPLIT
@@ -197,7 +224,6 @@ def mla_kernel(
             hi = tl.minimum(lo + SPLIT, tl.max(pos) + 1).to(tl.int32)
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, L], tl.float32)
         table = TABLES + req * stride_table
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
@@ -211,15 +237,40 @@ def mla_kernel(
                 visible = (j[None, :] <= pos[:, None]) & jm[None, :]
             safe_key = tl.where(jm, key, 0)
             block = tl.load(table + safe_key // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
-            off = (safe_key % BLOCK_SIZE).to(tl.int64)
-            kv, pe = load_latent(CACHE, SCALES, ROPE, block, off, jm, stride_b, stride_s, L, R, RP, DS_MLA,
-                                 q_lat.dtype)
-            s = (fdot(q_lat, tl.trans(kv), IEEE) + fdot(q_pe, tl.trans(pe), IEEE)) * qk_scale
+            base = block * stride_b + (safe_key % BLOCK_SIZE).to(tl.int64) * stride_s
+            kv0, sc0 = latent_tile(CACHE, SCALES, base, jm, 0, L, TL, DS_MLA, q0.dtype)
+            s = latent_scores(q0, kv0, sc0, DS_MLA, IEEE)
+            if NT > 1:
+                kv1, sc1 = latent_tile(CACHE, SCALES, base, jm, 1, L, TL, DS_MLA, q0.dtype)
+                s += latent_scores(q1, kv1, sc1, DS_MLA, IEEE)
+            if NT > 2:
+                kv2, sc2 = latent_tile(CACHE, SCALES, base, jm, 2, L, TL, DS_MLA, q0.dtype)
+                kv3, sc3 = latent_tile(CACHE, SCALES, base, jm, 3, L, TL, DS_MLA, q0.dtype)
+                s += latent_scores(q2, kv2, sc2, DS_MLA, IEEE) + latent_scores(q3, kv3, sc3, DS_MLA, IEEE)
+            if DS_MLA:
+                pe_at = ROPE + (base // 2)[:, None] + ((L + 4 * NT) // 2 + rot)[None, :]
+            else:
+                pe_at = CACHE + base[:, None] + L + rot[None, :]
+            pe = tl.load(pe_at, mask=jm[:, None] & (rot < R)[None, :], other=0.0).to(q0.dtype)
+            s = (s + fdot(q_pe, tl.trans(pe), IEEE)) * qk_scale
             s = tl.where(visible, s, float("-inf"))
-            p, m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
-            acc += fdot(p.to(kv.dtype), kv, IEEE)
-        store_result(acc, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
-                     stride_ot, stride_oh, live, L, DIRECT)
+            p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
+            acc0 = latent_values(acc0, alpha, p, kv0, sc0, DS_MLA, IEEE)
+            if NT > 1:
+                acc1 = latent_values(acc1, alpha, p, kv1, sc1, DS_MLA, IEEE)
+            if NT > 2:
+                acc2 = latent_values(acc2, alpha, p, kv2, sc2, DS_MLA, IEEE)
+                acc3 = latent_values(acc3, alpha, p, kv3, sc3, DS_MLA, IEEE)
+        store_result(acc0, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                     stride_ot, stride_oh, live, 0, TL, L, DIRECT, True)
+        if NT > 1:
+            store_result(acc1, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                         stride_ot, stride_oh, live, TL, TL, L, DIRECT, False)
+        if NT > 2:
+            store_result(acc2, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                         stride_ot, stride_oh, live, 2 * TL, TL, L, DIRECT, False)
+            store_result(acc3, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                         stride_ot, stride_oh, live, 3 * TL, TL, L, DIRECT, False)
 
 
 @triton.jit
@@ -276,11 +327,13 @@ def indexer_kernel(
             off = (j % BLOCK_SIZE).to(tl.int64)
             codes = tl.load(CACHE + block[:, None] * stride_b + off[:, None] * D + d[None, :], mask=jm[:, None], other=0)
             scale_at = (block * stride_b + BLOCK_SIZE * D) // 4 + off * NQ
-            if NQ == 1:  # one scale per token (DeepSeek: D = QBS = 128)
-                scale = tl.load(SCALES + scale_at, mask=jm, other=0.0)[:, None]
+            if NQ == 1:  # one scale per token (DeepSeek: D = QBS = 128): on the scores
+                s = fdot(q, tl.trans(codes.to(tl.float8e4nv, bitcast=True).to(q.dtype)), IEEE)
+                s = s * tl.load(SCALES + scale_at, mask=jm, other=0.0)[None, :]
             else:
                 scale = tl.load(SCALES + scale_at[:, None] + (d // QBS)[None, :], mask=jm[:, None], other=0.0)
-            k = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(q.dtype)
-            s = tl.maximum(fdot(q, tl.trans(k), IEEE), 0.0)
+                k = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(q.dtype)
+                s = fdot(q, tl.trans(k), IEEE)
+            s = tl.maximum(s, 0.0)
             score = tl.sum(s * w[:, None], 0)
             tl.store(SCORES + row * stride_st + j, score, mask=jm)
