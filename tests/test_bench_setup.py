@@ -84,5 +84,5 @@ def test_step_report_from_a_recorded_entry():
                                    "smoke": {"deferred": {"replicas_equal": True, "syncs_per_step": [[1, 10, 20]],
                                                           "transport": "all_gather", "checks": {"inputs": True}}}}}}
     text = step_report.markdown(result)
-    assert "| 32 | 32768 | 10.000 | 6.000 | 5.500 | 5.000 |" in text
-    assert "**90.9**" in text and "transport **all_gather**" in text
+    assert "| 32 | 32768 | 10.000 | 6.000 | 5.500 | 5.000 | 2.000 | 0.500 / **90.9** | 1.000 / **83.3** |" in text
+    assert "transport **all_gather**" in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pcppass.bench.results import fmt, pyplot
-from pcppass.bench.step import VARIANTS
+from pcppass.bench.step import SYNCED, VARIANTS
 
 LABELS = {"replicated": "replicated", "immediate": "per-site sync", "deferred": "pcppass deferred",
           "deferred_nochecks": "deferred, checks off", "nosync": "no sync"}
@@ -25,10 +25,12 @@ def _sync_lines(m: dict) -> list[str]:
 
 
 def _table(m: dict, variants: list[str], graph: bool) -> list[str]:
+    """Per (N, C): each variant's step time, the ideal speedup (replicated / no sync), and per synced
+    variant its sync cost (variant - no sync) and its speedup as a share of the ideal."""
     prefix = "graph_" if graph else ""
-    head = ["N/rank", "context"] + [f"{LABELS[v]} ms" for v in variants] + [
-        "per-site sync ms", "deferred sync ms", "ideal", "per-site speedup", "pcppass speedup",
-        "per-site % of ideal", "pcppass % of ideal"]
+    synced = [v for v in SYNCED if v in variants]
+    head = (["N/rank", "context"] + [f"{LABELS[v]} ms" for v in variants] + ["ideal speedup"]
+            + [f"{LABELS[v]}: sync ms / % of ideal" for v in synced])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in m.get("configs", []):
         d = e.get("derived", {})
@@ -41,16 +43,13 @@ def _table(m: dict, variants: list[str], graph: bool) -> list[str]:
                     return "–"
             return fmt(data.get("slowest_rank_ms"))
 
-        def pct(key):
-            x = d.get(prefix + key)
-            return fmt(100 * x if x is not None else None, ".1f")
+        def share(v):
+            frac = d.get(f"{prefix}{v}_fraction_of_ideal")
+            pct = fmt(100 * frac if frac is not None else None, ".1f")
+            return f"{fmt(d.get(f'{prefix}{v}_sync_ms'))} / **{pct}**"
 
-        lines.append("| " + " | ".join(
-            [str(e["rows_per_rank"]), str(e["context"])] + [t(v) for v in variants] + [
-                fmt(d.get(prefix + "immediate_sync_ms")), fmt(d.get(prefix + "deferred_sync_ms")),
-                fmt(d.get(prefix + "ideal_speedup")), fmt(d.get(prefix + "immediate_speedup")),
-                fmt(d.get(prefix + "deferred_speedup")), pct("immediate_fraction_of_ideal"),
-                "**" + pct("deferred_fraction_of_ideal") + "**"]) + " |")
+        lines.append("| " + " | ".join([str(e["rows_per_rank"]), str(e["context"])] + [t(v) for v in variants]
+                                      + [fmt(d.get(prefix + "ideal_speedup"))] + [share(v) for v in synced]) + " |")
     return lines
 
 
