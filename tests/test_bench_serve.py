@@ -67,7 +67,7 @@ def test_percentile_interpolates():
 def test_cli_serve_cpu_world_2(tmp_path):
     from pcppass.cli import main
 
-    code = main(["bench", "serve", "--device", "cpu", "--world", "2", "--hit-rates", "0.9",
+    code = main(["bench", "serve", "--device", "cpu", "--world", "2", "--model", "llama", "--hit-rates", "0.9",
                  "--modes", "replicated,pcppass,per_site", "--out", str(tmp_path), "--tag", "ci", "--timeout", "380"])
     result = json.loads((tmp_path / "serve_ci.json").read_text())
     assert code == 0, result.get("errors")
