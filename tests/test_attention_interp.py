@@ -140,7 +140,7 @@ def test_model_kernel_paths_match_reference_paths(name, cache_dtype):
 
 
 def _sharded_kernel_steps(rank, world, name):
-    from pcppass.backend import PcpBackend
+    from pcppass.compiler import PcpBackend
     from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
     from pcppass.models import build_model
     from pcppass.models.common import force_paged_kernels

@@ -16,7 +16,7 @@ request first fills the prefix cache and compiles; it is not measured):
 * ``nosync``: decode rows sharded, decode steps without any sync: the upper bound of sharding
   (replicas diverge, so its tokens are meaningless; timing only).
 
-Sync checks stay on (:class:`pcppass.backend.SyncChecks` defaults) and each mode records the
+Sync checks stay on (:class:`pcppass.checks.SyncChecks` defaults) and each mode records the
 transport its graphs used. After each run every cache is compared bitwise across ranks.
 """
 

@@ -4,13 +4,13 @@ Per model, in the same processes and on the same caches, every variant of one de
 ``N * P`` requests at context ``C``:
 
 * ``replicated``: every rank runs all ``N * P`` rows; no sync (decode as vLLM runs it with PCP);
-* ``immediate``: ``N`` rows per rank through :class:`pcppass.backend.PcpBackend`, one sync right
+* ``immediate``: ``N`` rows per rank through :class:`pcppass.compiler.PcpBackend`, one sync right
   after every write site (per-site sync, the method decode sharding started with);
 * ``deferred``: the same with pcppass's single sync at the end of the step;
 * ``deferred_nochecks``: ``deferred`` with every run-time check off (what the checks cost);
 * ``nosync``: ``N`` rows per rank, no sync at all: the lower bound (replicas diverge; timing only).
 
-``immediate`` and ``deferred`` run with the backend's checks on (:class:`~pcppass.backend.SyncChecks`
+``immediate`` and ``deferred`` run with the backend's checks on (:class:`~pcppass.checks.SyncChecks`
 defaults); each records the transport its graph used (:mod:`pcppass.bench.sync_info`). Sharded
 variants also all-gather the final hidden rows, as an engine must. Before timing, a smoke runs a
 few sharded steps with moving ownership and compares every cache bitwise across ranks (and checks
@@ -80,7 +80,7 @@ def configure_dynamo() -> None:
 
 def compiled_variants(model: torch.nn.Module, name: str, variants: tuple[str, ...]) -> dict[str, Any]:
     """variant -> compiled step, and for the synced variants their backend."""
-    from pcppass.backend import PcpBackend, SyncChecks
+    from pcppass.compiler import PcpBackend, SyncChecks
 
     plain = torch.compile(model, fullgraph=True)
     out: dict[str, Any] = {"replicated": (plain, None), "nosync": (plain, None)}
