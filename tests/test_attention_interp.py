@@ -13,6 +13,8 @@ import os
 
 import pytest
 import torch
+import triton  # noqa: F401  (imported in compiled mode before the interpreter is switched on, as in the
+# full suite: the kernels must not call the library's compiled-mode @triton.jit functions)
 
 from attention_cases import (
     indexer_cache,

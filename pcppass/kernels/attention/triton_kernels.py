@@ -25,6 +25,32 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
+# Only triton.language's builtins here (``tl.full``, not ``tl.zeros``; reductions through ``tl.reduce``
+# with combine functions of this module, which is what ``tl.max`` / ``tl.sum`` do): the library's own
+# ``@triton.jit`` functions were decorated in whichever mode triton was first imported in, and an
+# interpreted kernel cannot call a compiled-mode one.
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def max_along(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _maximum)
+
+
+@triton.jit
+def sum_along(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
 @triton.jit
 def tile_rows(pid, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0, TILE_NROWS, ROW_MODE: tl.constexpr):
     """(request, first row, number of rows) of program tile ``pid``."""
@@ -70,11 +96,11 @@ def e4m3(codes, DTYPE: tl.constexpr):
 def online_softmax_step(s, m_i, l_i):
     """Fold one score tile ``s [M, BN]`` (log2 units, -inf masked) into the running max and sum;
     returns (p, alpha: the factor that rescales earlier accumulators, new max, new sum)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, max_along(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i * alpha + sum_along(p, 1)
 
 
 @triton.jit
@@ -120,10 +146,10 @@ def gqa_kernel(
         if FP8:  # per-tensor scales: on the scores and on the output (the codes go to the dot as they are)
             qk_scale = qk_scale * tl.load(K_SCALE)
         lo = split * SPLIT
-        hi = tl.minimum(lo + SPLIT, tl.max(pos) + 1).to(tl.int32)
+        hi = tl.minimum(lo + SPLIT, max_along(pos, 0) + 1).to(tl.int32)
         m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, DV], tl.float32)
+        l_i = tl.full([M], 0.0, tl.float32)
+        acc = tl.full([M, DV], 0.0, tl.float32)
         table = TABLES + req * stride_table
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
@@ -213,24 +239,24 @@ def mla_kernel(
         rot = tl.arange(0, RP)
         q_at = Q_LAT + row[:, None] * stride_qt + head[:, None] * stride_qh + t[None, :]
         q0 = tl.load(q_at, mask=live[:, None], other=0.0)
-        acc0 = tl.zeros([M, TL], tl.float32)
+        acc0 = tl.full([M, TL], 0.0, tl.float32)
         if NT > 1:
             q1 = tl.load(q_at + TL, mask=live[:, None], other=0.0)
-            acc1 = tl.zeros([M, TL], tl.float32)
+            acc1 = tl.full([M, TL], 0.0, tl.float32)
         if NT > 2:
             q2 = tl.load(q_at + 2 * TL, mask=live[:, None], other=0.0)
             q3 = tl.load(q_at + 3 * TL, mask=live[:, None], other=0.0)
-            acc2 = tl.zeros([M, TL], tl.float32)
-            acc3 = tl.zeros([M, TL], tl.float32)
+            acc2 = tl.full([M, TL], 0.0, tl.float32)
+            acc3 = tl.full([M, TL], 0.0, tl.float32)
         q_pe = tl.load(Q_PE + row[:, None] * stride_pt + head[:, None] * stride_ph + rot[None, :],
                        mask=live[:, None] & (rot < R)[None, :], other=0.0)
         lo = split * SPLIT
         if SPARSE:
             hi = tl.minimum(lo + SPLIT, index_len).to(tl.int32)
         else:
-            hi = tl.minimum(lo + SPLIT, tl.max(pos) + 1).to(tl.int32)
+            hi = tl.minimum(lo + SPLIT, max_along(pos, 0) + 1).to(tl.int32)
         m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], tl.float32)
+        l_i = tl.full([M], 0.0, tl.float32)
         table = TABLES + req * stride_table
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
@@ -294,11 +320,11 @@ def combine_kernel(PART_O, PART_ML, IS_PADDING, OUT, num_splits, num_heads, stri
     pad = tl.load(IS_PADDING + row)
     m_s = tl.load(PART_ML + part * 2, mask=sm & (pad == 0), other=float("-inf"))
     l_s = tl.load(PART_ML + part * 2 + 1, mask=sm & (pad == 0), other=0.0)
-    m_max = tl.max(m_s, 0)
+    m_max = max_along(m_s, 0)
     w = tl.exp2(m_s - tl.where(m_max == float("-inf"), 0.0, m_max))
-    total = tl.sum(w * l_s, 0)
+    total = sum_along(w * l_s, 0)
     acc = tl.load(PART_O + part[:, None] * DV + dv[None, :], mask=(sm & (pad == 0))[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    out = sum_along(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(OUT + row * stride_ot + head * stride_oh + dv, out.to(OUT.dtype.element_ty))
 
 
@@ -342,5 +368,5 @@ def indexer_kernel(
                 k = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(q.dtype)
                 s = fdot(q, tl.trans(k), IEEE)
             s = tl.maximum(s, 0.0)
-            score = tl.sum(s * w[:, None], 0)
+            score = sum_along(s * w[:, None], 0)
             tl.store(SCORES + row * stride_st + j, score, mask=jm)
