@@ -88,7 +88,10 @@ class PcpSyncPass(CustomGraphPass):
     """The sync rewrite of one decode step's Dynamo graph (see the module docstring).
 
     ``group``: process group of the PCP ranks (default: the world group, resolved when the pass
-    runs). ``dcp_size > 1``: the cache itself is sharded, so decode stays replicated.
+    runs). ``schedule``: ``"immediate"`` (the default: a sync right after each write site, correct
+    for any step) or ``"deferred"`` (one collective at the end of the step), which the caller
+    chooses only for decode-only graphs: it is wrong when a rank reads, within the step, rows
+    another rank wrote (partitioned prefill), and nothing in the graph can tell. ``dcp_size > 1``: the cache itself is sharded, so decode stays replicated.
     ``whole_step``: the caller guarantees the graph is the whole step (compiled with
     ``fullgraph=True``), for graphs where pcppass cannot tell by itself; a graph break it does
     detect is refused regardless. ``transport``: how each collective moves the rows.
@@ -98,7 +101,7 @@ class PcpSyncPass(CustomGraphPass):
         self,
         group: dist.ProcessGroup | None = None,
         *,
-        schedule: Schedule = "deferred",
+        schedule: Schedule = "immediate",
         on_uncovered: OnUncovered = "raise",
         dcp_size: int = 1,
         checks: SyncChecks = SyncChecks(),
@@ -207,4 +210,12 @@ class PcpSyncPass(CustomGraphPass):
                 "if the graph is the whole step (compiled with fullgraph=True), say so with "
                 "whole_step=True."
             )
-        return graph_breaks()
+        breaks = graph_breaks(gm)
+        if breaks is None:
+            if self.whole_step:
+                return []
+            return ["cannot tell whether this graph is the whole step: graph-break detection reads "
+                    f"Dynamo internals that this torch ({torch.__version__}) does not provide, or no "
+                    "Dynamo compile is running. If the step compiles as one graph "
+                    "(torch.compile(..., fullgraph=True)), say so with whole_step=True"]
+        return breaks
