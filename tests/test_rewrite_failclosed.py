@@ -11,7 +11,10 @@ a case whose error aborts its group leaves the next case's group alone).
 * state rebound by the step (a module buffer, a cache dict entry): the backend refuses the next
   call, naming the state;
 * a custom op whose ``mutates_args`` omits the cache it writes: the state digest names the cache
-  (and, with the digest off, the replicas silently differ: the check is what catches it).
+  (and, with the digest off, the replicas silently differ: the check is what catches it);
+* slot mappings the graph computes, bad on one rank only (out of range for a cache-write op, -1 for
+  an aten index write): every rank refuses the step with the same error before anything is
+  written, and every replica is unchanged.
 """
 
 from __future__ import annotations
@@ -131,6 +134,17 @@ def under_declared(x, slots, k_cache, v_cache, hidden_cache):
     return kv_step(y, slots, k_cache, v_cache)
 
 
+def computed_kv_slots(x, base, offset, k_cache, v_cache):
+    slots = base + offset  # computed in the graph: no input check sees it
+    return kv_step(x, slots, k_cache, v_cache)
+
+
+def computed_index_rows(x, positions, cache):
+    rows = positions - 1  # -1 for position 0: the LAST row of an aten index write
+    cache.index_copy_(0, rows, x)
+    return x.sum(1)
+
+
 class Rebinding(nn.Module):
     def __init__(self, what: str):
         super().__init__()
@@ -217,6 +231,24 @@ def case_under_declared(rank, group, digest):
     return {"error": error, "hidden_cache": caches[2]}
 
 
+def case_computed_slots(rank, group, kind):
+    if kind == "kv":
+        caches = [torch.zeros(NB, BS, 2, 4), torch.zeros(NB, BS, 2, 4)]
+        step = _compiled(computed_kv_slots, group, schedule="deferred")
+        good = lambda: step(_rows(H, rank), _rows(SLOTS, rank), torch.tensor(0), *caches)  # noqa: E731
+        bad_offset = torch.tensor(NB * BS if rank == 1 else 0)  # rank 1 only: out of range
+        bad = lambda: step(_rows(H, rank), _rows(SLOTS, rank), bad_offset, *caches)  # noqa: E731
+    else:
+        caches = [torch.zeros(NB * BS, W)]
+        step = _compiled(computed_index_rows, group, schedule="deferred")
+        good = lambda: step(_rows(H, rank), _rows(SLOTS, rank) + 1, *caches)  # noqa: E731
+        bad_positions = _rows(SLOTS, rank) + 1 if rank == 0 else torch.tensor([0, 3])  # rank 1: row -1
+        bad = lambda: step(_rows(H, rank), bad_positions, *caches)  # noqa: E731
+    good_error = _error(good)
+    after_good = [c.clone() for c in caches]
+    return {"good_error": good_error, "after_good": after_good, "error": _error(bad), "caches": caches}
+
+
 CASES = {
     "default_schedule": (case_default_schedule,),
     "mutated_deferred": (case_mutated_rerun_input, "deferred"),
@@ -228,6 +260,8 @@ CASES = {
     "rebind_dict": (case_rebinding, "dict"),
     "undeclared_digest": (case_under_declared, True),
     "undeclared_no_digest": (case_under_declared, False),
+    "computed_kv": (case_computed_slots, "kv"),
+    "computed_index": (case_computed_slots, "index"),
 }
 
 
@@ -291,3 +325,18 @@ def test_under_declared_write_is_named_by_the_state_digest(outcomes):
     # negative control: without the digest the replicas silently differ
     assert not torch.equal(outcomes[0]["undeclared_no_digest"]["hidden_cache"],
                            outcomes[1]["undeclared_no_digest"]["hidden_cache"])
+
+
+@pytest.mark.parametrize("kind, op, bad", [("kv", "pcppass::reshape_and_cache_flash", "outside [-1, 16)"),
+                                           ("index", "index_copy_", "holds slot -1, outside [0, 16)")])
+def test_computed_slots_are_refused_on_every_rank_before_any_write(outcomes, kind, op, bad):
+    errors = [o[f"computed_{kind}"]["error"] for o in outcomes]
+    assert errors[0] == errors[1], errors  # every rank refuses the same step
+    assert "PcpInputError" in errors[0] and errors[0].count("rank 1:") == 1 and bad in errors[0]
+    assert op in errors[0] and "test_rewrite_failclosed.py:" in errors[0]
+    for o in outcomes:
+        assert o[f"computed_{kind}"]["good_error"] is None
+        for before, after in zip(o[f"computed_{kind}"]["after_good"], o[f"computed_{kind}"]["caches"]):
+            assert torch.equal(before, after), "a replica changed although the step was refused"
+    for a, b in zip(outcomes[0][f"computed_{kind}"]["caches"], outcomes[1][f"computed_{kind}"]["caches"]):
+        assert torch.equal(a, b)

@@ -42,6 +42,7 @@ from pcppass.rewrite.insert import (
     SCHEDULES, AllGatherTransport, Schedule, SyncRewrite, TransportFactory, insert_sync,
 )
 from pcppass.rewrite.plan import SyncPlan, plan_sync
+from pcppass.rewrite.slot_checks import insert_slot_checks
 from pcppass.rewrite.stage import check_graph_stage, graph_breaks, is_dynamo_graph_module
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ _SOURCE_MODULES = (
     "pcppass.analysis.classify", "pcppass.analysis.defuse", "pcppass.analysis.records",
     "pcppass.analysis.schema", "pcppass.analysis.state_writes", "pcppass.analysis.views",
     "pcppass.checks", "pcppass.kernels.rows", "pcppass.registry", "pcppass.rewrite.insert",
-    "pcppass.rewrite.plan", "pcppass.rewrite.stage", "pcppass.rewrite.sync_pass", "pcppass.spec",
+    "pcppass.rewrite.plan", "pcppass.rewrite.slot_checks", "pcppass.rewrite.stage",
+    "pcppass.runtime.validate", "pcppass.rewrite.sync_pass", "pcppass.spec",
 )
 
 
@@ -191,6 +193,8 @@ class PcpSyncPass(CustomGraphPass):
             log.warning("pcppass: %d uncovered write(s) and %d graph break(s) left unsynchronised "
                         "(unsafe_ignore)", len(uncovered), len(breaks))
         plan = plan_sync([w for w in writes if w.covered])
+        if self.checks.inputs:
+            insert_slot_checks(gm, plan, group_name=group.group_name, world_size=world)
         rewrite = insert_sync(
             gm, plan, schedule=self.schedule, group_name=group.group_name, world_size=world,
             verify_header=self.checks.header, check_conflicts=self.checks.slot_conflicts,
