@@ -23,7 +23,8 @@ class SyncChecks:
     #: tensor it computed instead of writing it in place (checked before each call, host only)
     rebinding: bool = True
     #: cross-rank digest of the state before and after checked steps: names state that diverged
-    #: although every write the graph shows is synchronised (an under-declared custom op)
+    #: although every write the graph shows is synchronised (an under-declared custom op); one
+    #: small all-gather per checked step, skipped while a CUDA graph is being captured
     state_digest: bool = True
     #: the first calls of each compiled step that are digest-checked
     digest_first_steps: int = 4

@@ -71,7 +71,8 @@ class RebindCheck:
                 "stores such values (`caches[name] = caches[name].index_copy(...)`, `self.buf = "
                 "new_tensor`) after the graph, where no replica sync sees them, so each rank holds "
                 "its own version. Write the state in place inside the graph (cache.index_copy_(...), "
-                "a pcppass:: cache-write op)."
+                "a pcppass:: cache-write op). (A per-step input the caller feeds back from the "
+                "previous step's outputs on purpose looks the same: SyncChecks(rebinding=False).)"
             )
 
     def after(self, outputs: Any) -> None:
@@ -121,8 +122,10 @@ class StateDigestCheck:
         self._before: list[tuple[int, int]] = []
 
     def due(self) -> bool:
+        """Whether this call is checked. Never while a CUDA graph is being captured: the digest
+        reads the device on the host (the call still counts)."""
         call, self.calls = self.calls, self.calls + 1
-        if not self.checks.state_digest:
+        if not self.checks.state_digest or _capturing():
             return False
         every = self.checks.digest_every
         return call < self.checks.digest_first_steps or (every > 0 and call % every == 0)
@@ -152,6 +155,10 @@ class StateDigestCheck:
                 "the synchronised writes, e.g. a custom op whose mutates_args omits a cache it writes. "
                 "Declare the write (mutates_args) and cover it with a pattern."
             )
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def checking_state(compiled: Callable, gm: torch.fx.GraphModule, group: dist.ProcessGroup | None,
