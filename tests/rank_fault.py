@@ -160,24 +160,41 @@ def run_fault_case(case: FaultCase, deadline_s: float) -> dict:
         for p in procs:
             p.start()
         outcomes: dict[int, dict] = {}
+        exited: dict[int, float] = {}  # rank -> wall-clock time its process was first seen gone
+
+        def poll_exits() -> None:
+            for r, p in enumerate(procs):
+                if r not in exited and not p.is_alive():
+                    exited[r] = time.time()
+
         survivors = case.world - 1
         while len(outcomes) < survivors and time.monotonic() - start < deadline_s:
             try:
-                o = results.get(timeout=1.0)
+                o = results.get(timeout=0.5)
                 outcomes[o["rank"]] = o
             except queue_mod.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
+                pass
+            poll_exits()
+            if len(exited) == case.world:
+                break
         answered = time.monotonic()
-        for p in procs:
-            p.join(timeout=max(0.0, EXIT_BOUND_S - (time.monotonic() - answered)))
-        exit_s = time.monotonic() - answered
+        while len(exited) < case.world and time.monotonic() - answered < EXIT_BOUND_S:
+            time.sleep(0.2)
+            poll_exits()
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for r in hung:
             procs[r].kill()
-            procs[r].join(timeout=5.0)
+        for p in procs:
+            p.join(timeout=5.0)
+        death = None
+        if os.path.exists(death_file):
+            with open(death_file) as f:
+                death = float(f.read())
         return {"case": asdict(case), "outcomes": {str(r): o for r, o in sorted(outcomes.items())},
-                "exitcodes": [p.exitcode for p in procs], "hung": hung, "exit_after_answers_s": round(exit_s, 2),
+                "exitcodes": [p.exitcode for p in procs], "hung": hung,
+                # seconds from the victim's SIGKILL to each process being seen gone (0.2-0.5 s polls)
+                "exit_after_death_s": {str(r): round(t - death, 2) if death else None
+                                       for r, t in sorted(exited.items())},
                 "wall_s": round(time.monotonic() - start, 2)}
 
 
