@@ -11,7 +11,7 @@ The plan is data about the graph; :mod:`pcppass.rewrite.insert` turns it into gr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import torch
 import torch.fx
@@ -28,12 +28,28 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
+class ContextRef:
+    """A cache the op fetches at run time from a context (vLLM's forward context), not a graph
+    tensor: ``resolver`` (registered by name) maps ``handle`` (the handle argument's value, e.g. a
+    layer name) to the role tensors; ``cache_role`` and ``slots_role`` name the ones synced."""
+
+    resolver: str
+    handle: str
+    cache_role: str
+    slots_role: str
+
+
+#: where a synced cache lives: a tensor of the graph, or a context reference resolved at run time
+CacheRef = Union[torch.fx.Node, ContextRef]
+
+
+@dataclass(frozen=True)
 class CacheSync:
     """One cache written at a site: the replica must receive these rows."""
 
     state: str  # source name of the base state tensor
     arg: str  # schema argument through which the op writes it
-    cache: torch.fx.Node  # the tensor the op receives (the base or a view of it)
+    cache: CacheRef  # the tensor the op receives (the base or a view of it), or a context ref
     slots: torch.fx.Node  # the slot mapping addressing it
     layout: ResolvedLayout
 
