@@ -143,8 +143,10 @@ class RankPool:
                 q.put(None)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + 5.0  # for all ranks together: then they are killed
         for p in self._procs:
-            p.join(timeout=5.0)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
