@@ -15,7 +15,7 @@ from pcppass.registry import register_pattern, unregister_pattern
 from pcppass.spec import ByArgValue, BlockSplit, CacheRole, IndexedDim, PagedRows, Recipe, WritePattern
 from pcppass.errors import PcpCoverageError
 from pcppass.checks import SyncChecks
-from pcppass.analysis import find_state_writes
+from pcppass.analysis import audit, find_state_writes
 from pcppass.compiler import PcpBackend, PcpSyncPass, backend
 from pcppass.engine import Engine
 
@@ -32,6 +32,7 @@ __all__ = [
     "Recipe",
     "SyncChecks",
     "WritePattern",
+    "audit",
     "backend",
     "find_state_writes",
     "register_pattern",

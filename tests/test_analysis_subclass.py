@@ -5,13 +5,14 @@ taken for temporaries; writes into them are reported, uncovered."""
 from __future__ import annotations
 
 import torch
-import torch.fx
 import torch.utils._pytree as pytree
 from torch.testing._internal.two_tensor import TwoTensor
 
 from pcppass.analysis import StateKind, Uncovered, find_state_writes
 from pcppass.analysis.trace import StepInputs, capture_graph
 from pcppass.analysis.views import storage_keys
+
+from audit_fixtures import graph_with_sparse_state
 
 
 class ScaledFp8(torch.Tensor):
@@ -92,23 +93,8 @@ def test_two_tensor_cache_is_uncovered_with_its_inner_tensors_named():
     assert w.reason is Uncovered.TENSOR_SUBCLASS_STATE and "TwoTensor wrapping a, b" in w.detail
 
 
-def _graph_with_sparse_state() -> torch.fx.GraphModule:
-    """A graph whose state and one temporary have no readable storage (sparse COO)."""
-    graph = torch.fx.Graph()
-    state = graph.placeholder("state")
-    state.meta["example_value"] = torch.zeros(4, 4).to_sparse()
-    bumped = graph.call_method("add_", (state, 1))
-    bumped.meta["example_value"] = state.meta["example_value"]
-    fresh = graph.call_method("to_sparse", (graph.call_function(torch.zeros, (4, 4)),))
-    fresh.meta["example_value"] = torch.zeros(4, 4).to_sparse()
-    written = graph.call_method("mul_", (fresh, 2))
-    written.meta["example_value"] = fresh.meta["example_value"]
-    graph.output((bumped, written))
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
-
-
 def test_unknown_storage_is_state_never_a_temporary():
-    writes = find_state_writes(_graph_with_sparse_state())
+    writes = find_state_writes(graph_with_sparse_state())
     assert [(w.op, w.state, w.covered) for w in writes] == [
         ("aten::add_", "state", False),  # the state itself: its in-place update is reported
         ("aten::mul_", "<unknown storage of to_sparse>", False),

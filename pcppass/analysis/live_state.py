@@ -199,23 +199,10 @@ def _module_named(namespace: dict) -> str | None:
     return None
 
 
-def _key_in(mapping: dict, value: object) -> object:
-    return next((k for k, v in mapping.items() if v is value), None)
-
-
-def _dict_holder(d: dict) -> str | None:
-    """``module.NAME`` for a dict held by a module global, ``Class.attr`` for one held by an object."""
-    for ref in gc.get_referrers(d):
-        if isinstance(ref, dict):
-            module = _module_named(ref)
-            key = _key_in(ref, d)
-            if module is not None and key is not None:
-                return f"{module}.{key}"
-        elif not isinstance(ref, (list, tuple, types.FrameType)) and hasattr(ref, "__dict__"):
-            attr = _key_in(vars(ref), d)
-            if attr is not None:
-                return f"{type(ref).__qualname__}.{attr}"
-    return None
+def _key_in(container: object, value: object) -> object:
+    if isinstance(container, dict):
+        return next((k for k, v in container.items() if v is value), None)
+    return next((i for i, v in enumerate(container) if v is value), None)
 
 
 def _closure_owner(cell: types.CellType) -> str | None:
@@ -227,27 +214,44 @@ def _closure_owner(cell: types.CellType) -> str | None:
     return None
 
 
-def holder_name(t: torch.Tensor, ignore: tuple = ()) -> str:
-    """What holds a tensor no path from the step reaches: a module global, a dict, an attribute,
-    a closure; else its shape and dtype. ``ignore``: the caller's own containers."""
-    for ref in gc.get_referrers(t):
-        if any(ref is own for own in ignore):
+def _instance_of(namespace: dict) -> object:
+    """The object whose ``__dict__`` is ``namespace``, if any."""
+    for ref in gc.get_referrers(namespace):
+        if getattr(ref, "__dict__", None) is namespace:
+            return ref
+    return None
+
+
+def _path_to(obj: object, ignore: tuple, depth: int = 3) -> str | None:
+    """How Python reaches ``obj``: ``module.NAME[key]``, ``Class.attr``, ``closure of f``."""
+    for ref in gc.get_referrers(obj):
+        if any(ref is own for own in ignore) or isinstance(ref, types.FrameType):
             continue
-        if isinstance(ref, dict):
-            key = _key_in(ref, t)
+        if isinstance(ref, (dict, list)):
+            key = _key_in(ref, obj)
             if key is None:
                 continue
-            module = _module_named(ref)
+            module = _module_named(ref) if isinstance(ref, dict) else None
             if module is not None:
                 return f"{module}.{key}"
-            holder = _dict_holder(ref)
-            return f"{holder}[{key!r}]" if holder else f"a dict [{key!r}]"
-        if isinstance(ref, types.CellType):
+            owner = _instance_of(ref) if isinstance(ref, dict) else None
+            if owner is not None:
+                return f"{type(owner).__qualname__}.{key}"
+            outer = _path_to(ref, ignore, depth - 1) if depth else None
+            if outer is not None:
+                return f"{outer}[{key!r}]"
+        elif isinstance(ref, types.CellType):
             owner = _closure_owner(ref)
             if owner is not None:
                 return f"closure of {owner}"
-        elif not isinstance(ref, (list, tuple, types.FrameType, torch.Tensor)) and hasattr(ref, "__dict__"):
-            attr = _key_in(vars(ref), t)
+        elif not isinstance(ref, (tuple, torch.Tensor, type)) and hasattr(ref, "__dict__"):
+            attr = _key_in(vars(ref), obj)
             if attr is not None:
                 return f"{type(ref).__qualname__}.{attr}"
-    return f"live tensor {tuple(t.shape)} {t.dtype}"
+    return None
+
+
+def holder_name(t: torch.Tensor, ignore: tuple = ()) -> str:
+    """What holds a tensor no path from the step reaches: a module global, a dict, an attribute,
+    a closure; else its shape and dtype. ``ignore``: the caller's own containers."""
+    return _path_to(t, ignore) or f"live tensor {tuple(t.shape)} {t.dtype}"

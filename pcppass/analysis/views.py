@@ -46,6 +46,7 @@ VIEW_OPS: frozenset[str] = frozenset({
     "split_with_sizes", "chunk", "tensor_split", "movedim", "moveaxis", "swapaxes", "swapdims",
     "diagonal", "unfold", "detach", "alias", "view_as_real", "view_as_complex", "real", "imag",
     "contiguous", "squeeze_", "unsqueeze_", "transpose_", "t_",
+    "_get_data_attr",  # ``tensor.data``: the same storage, sizes and strides
 })
 
 #: Ops among VIEW_OPS that may map several view elements onto one state element (or the reverse).
@@ -188,9 +189,20 @@ class AliasMap:
         return None
 
 
+#: In-place Python operators (``x += y`` -> ``operator.iadd``) and their dunders: they return ``x``.
+INPLACE_OPERATOR_NAMES = frozenset(
+    name
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
+               "rshift", "matmul")
+    for name in (f"i{op}", f"__i{op}__")
+)
+
+
 def _same_tensor_step(node: torch.fx.Node) -> bool:
     """In-place ops return their (mutated) first argument: not a view step, the same tensor."""
     name = op_name(node)
+    if name in INPLACE_OPERATOR_NAMES:
+        return True
     return name.endswith("_") and not name.startswith("__") and name not in VIEW_OPS
 
 
