@@ -343,9 +343,9 @@ def _control(world: int) -> Scenario:
 def test_the_property_catches_a_diverged_replica_and_a_deferred_mixed_step(pool):
     scenario = _control(pool.world)
     check_scenario(pool, scenario)  # positive control
-    # one byte of one rank's indexer cache flipped after the prefill: its replica diverged
-    with pytest.raises(AssertionError, match=r"state indexer differs across ranks"):
-        check_scenario(pool, scenario, corrupt=(0, pool.world - 1, "indexer"))
+    # one byte of one rank's indexer cache flipped after the last step: its replica diverged
+    with pytest.raises(AssertionError, match=r"step 1 .* state indexer differs across ranks"):
+        check_scenario(pool, scenario, corrupt=(1, pool.world - 1, "indexer"))
     # the deferred graph on a partitioned prefill: later chunks read rows other ranks wrote in the
     # same step before they arrive (pcppass cannot see it; the property must)
     try:
