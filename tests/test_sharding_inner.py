@@ -77,7 +77,7 @@ INDUCTOR_CONFIGS = [replace(BASE, model=m, inner="inductor", steps=12)
 def test_inductor_every_model_family():
     """GQA, MLA, the V3.2 fused write and V4's window/compressor writes, each through Inductor.
 
-    About 230 CPU-seconds with a cold Inductor cache (2 ranks compile 8 graphs each): ~2 minutes on
+    About 240 CPU-seconds with a cold Inductor cache (2 ranks compile 8 graphs each): ~2 minutes on
     two idle cores; the timeout is far above it because shared machines run it several times slower.
     """
     per_rank = launch(_run_each, 2, INDUCTOR_CONFIGS, timeout_s=900)
