@@ -112,10 +112,10 @@ class SyncPlan:
         for b, site in enumerate(self.sites):
             if site.recipe is not Recipe.RERUN:
                 continue
-            read = _storages(site.arguments.values())
+            read = storages_of(site.arguments.values())
             for c in read:
-                before = [s for s in self.sites[:b] if c in _written_storages(s)]
-                after = [s for s in self.sites[b + 1:] if c in _written_storages(s)]
+                before = [s for s in self.sites[:b] if c in written_storages(s)]
+                after = [s for s in self.sites[b + 1:] if c in written_storages(s)]
                 if before and after:
                     hazards.append(f"{site.label} reads a cache written before it by {before[0].label} "
                                    f"and again after it by {after[0].label}")
@@ -127,7 +127,7 @@ class SyncPlan:
         return [c for site in self.sites for c in site.caches]
 
 
-def _storages(values: Any) -> set[StorageWeakRef]:
+def storages_of(values: Any) -> set[StorageWeakRef]:
     """Storages of the fake tensors of graph values (nodes, lists of nodes; constants skipped)."""
     found = set()
     for value in values:
@@ -142,8 +142,8 @@ def _storages(values: Any) -> set[StorageWeakRef]:
     return found
 
 
-def _written_storages(site: SyncSite) -> set[StorageWeakRef]:
-    return _storages(c.cache for c in site.caches if isinstance(c.cache, torch.fx.Node))
+def written_storages(site: SyncSite) -> set[StorageWeakRef]:
+    return storages_of(c.cache for c in site.caches if isinstance(c.cache, torch.fx.Node))
 
 
 # ---------------------------------------------------------------------------------------------

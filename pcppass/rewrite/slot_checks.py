@@ -30,8 +30,8 @@ import pcppass.runtime.validate  # noqa: F401  (registers the pcppass::slot_chec
 from pcppass.analysis.schema import resolve_overload, written_args
 from pcppass.analysis.views import node_value
 from pcppass.errors import PcpSyncError
-from pcppass.rewrite.plan import CacheSync, SyncPlan, SyncSite, _storages, _written_storages
-from pcppass.runtime.validate import _num_slots_expr
+from pcppass.rewrite.plan import CacheSync, SyncPlan, SyncSite, storages_of, written_storages
+from pcppass.runtime.validate import num_slots_expr
 
 _c10d = torch.ops._c10d_functional
 
@@ -56,7 +56,7 @@ def _hoist(node: torch.fx.Node, before: torch.fx.Node, written: set, order: dict
             continue
         if n.op not in ("call_function", "call_method") or _mutates(n):
             return f"it depends on {n.name}, which writes or is not a plain computation"
-        if _storages(n.all_input_nodes) & written:
+        if storages_of(n.all_input_nodes) & written:
             return f"{n.name} reads state the step writes"
         chain.add(n)
         stack.extend(n.all_input_nodes)
@@ -102,7 +102,7 @@ def insert_slot_checks(gm: torch.fx.GraphModule, plan: SyncPlan, *, group_name: 
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((site.node for site in plan.sites), key=order.__getitem__)
-    written = set().union(*(_written_storages(site) for site in plan.sites))
+    written = set().union(*(written_storages(site) for site in plan.sites))
     for site, c in entries:
         if order[c.slots] > order[first]:
             why = _hoist(c.slots, first, written, order)
@@ -117,7 +117,7 @@ def insert_slot_checks(gm: torch.fx.GraphModule, plan: SyncPlan, *, group_name: 
     placeholders = list(graph.find_nodes(op="placeholder"))
     limits = []
     for site, c in entries:
-        limit = _static_int(_num_slots_expr(node_value(c.cache), c.layout))
+        limit = _static_int(num_slots_expr(node_value(c.cache), c.layout))
         if limit is None:
             raise PcpSyncError(f"pcppass: {site.label}: the cache's slot count is symbolic; computed "
                                "slot mappings are checked against a static cache size")

@@ -59,7 +59,7 @@ _SOURCE_MODULES = (
     "pcppass.analysis.schema", "pcppass.analysis.state_writes", "pcppass.analysis.views",
     "pcppass.checks", "pcppass.kernels.rows", "pcppass.registry", "pcppass.rewrite.insert",
     "pcppass.rewrite.plan", "pcppass.rewrite.slot_checks", "pcppass.rewrite.stage",
-    "pcppass.runtime.validate", "pcppass.rewrite.sync_pass", "pcppass.spec",
+    "pcppass.rewrite.sync_pass", "pcppass.runtime.validate", "pcppass.spec",
 )
 
 
@@ -93,7 +93,8 @@ class PcpSyncPass(CustomGraphPass):
     runs). ``schedule``: ``"immediate"`` (the default: a sync right after each write site, correct
     for any step) or ``"deferred"`` (one collective at the end of the step), which the caller
     chooses only for decode-only graphs: it is wrong when a rank reads, within the step, rows
-    another rank wrote (partitioned prefill), and nothing in the graph can tell. ``dcp_size > 1``: the cache itself is sharded, so decode stays replicated.
+    another rank wrote (partitioned prefill), and nothing in the graph can tell.
+    ``dcp_size > 1``: the cache itself is sharded, so decode stays replicated.
     ``whole_step``: the caller guarantees the graph is the whole step (compiled with
     ``fullgraph=True``), for graphs where pcppass cannot tell by itself; a graph break it does
     detect is refused regardless. ``transport``: how each collective moves the rows.

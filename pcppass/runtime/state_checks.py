@@ -47,10 +47,12 @@ class RebindCheck:
     :meth:`after` with its outputs."""
 
     def __init__(self, names: Sequence[str | None], rank: int | None) -> None:
-        #: argument position -> source name, for the state a step could rebind
-        self.watched = {i: n for i, n in enumerate(names) if n is not None and not _BARE_LOCAL.match(n)}
+        #: argument position -> source name, for the state a step could rebind (parameters are
+        #: left out: a decode step does not rebind weights, and there are many of them)
+        self.watched = {i: n for i, n in enumerate(names)
+                        if n is not None and not _BARE_LOCAL.match(n) and "_parameters[" not in n}
         self.rank = rank
-        self._inputs: dict[int, weakref.ref] = {}
+        self._input_ids: dict[int, int] = {}
         self._outputs: dict[int, weakref.ref] = {}
 
     def before(self, args: Sequence[Any]) -> None:
@@ -59,11 +61,11 @@ class RebindCheck:
             arg = args[i]
             if not isinstance(arg, torch.Tensor):
                 continue
-            was = self._inputs.get(i)
+            was = self._input_ids.get(i)
             returned = self._outputs.get(id(arg))
-            if was is not None and was() is not arg and returned is not None and returned() is arg:
+            if was is not None and was != id(arg) and returned is not None and returned() is arg:
                 rebound.append(name)
-            self._inputs[i] = weakref.ref(arg)
+            self._input_ids[i] = id(arg)
         if rebound:
             raise PcpSyncError(
                 f"pcppass: rank {self.rank}: the previous step replaced state instead of writing it "

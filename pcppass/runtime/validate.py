@@ -103,7 +103,7 @@ class InputValidator:
                 if c.slots not in index:
                     continue  # computed in the graph, not an input
                 check = SlotInputCheck(index[c.slots], c.slots.name, site.op, c.state, site.source,
-                                       rows, _num_slots_expr(_fake(c.cache), c.layout),
+                                       rows, num_slots_expr(_fake(c.cache), c.layout),
                                        site.pattern.aten_family)
                 key = (index[c.slots], c.state)
                 # one mapping feeding a skipping op and an aten write: the aten rule is stricter
@@ -153,7 +153,7 @@ def _row_count(site) -> Any:
     return None
 
 
-def _num_slots_expr(cache: torch.Tensor, layout) -> Any:
+def num_slots_expr(cache: torch.Tensor, layout) -> Any:
     if layout.kind == "paged_rows":
         return _expr(cache.shape[0]) * _expr(cache.shape[1])
     if layout.kind == "block_split":
