@@ -423,6 +423,13 @@ def _labelled_inputs(node: torch.fx.Node) -> list[tuple[str, object]]:
     return out
 
 
+def _receives_state(node: torch.fx.Node, aliases: AliasMap) -> bool:
+    """Whether any input is state (or a view of it), or a graph input that may be a handle."""
+    return any(
+        a.op in ("placeholder", "get_attr") or aliases.alias_of(a) is not None for a in node.all_input_nodes
+    )
+
+
 def _opaque_detail(call: OpaqueCall, what: str, label: str, source: str) -> str:
     return (f"{call.op} ({call.kind}) at {source} receives {what} as {label}; the graph cannot see "
             f"what it does with it, so it may write it: make the write visible (a custom op that "
@@ -648,7 +655,7 @@ def find_state_writes(gm: torch.fx.GraphModule, *, classify: bool = True) -> lis
             records += _region_writes(node, aliases, reach, node, aliases, (_hop_name(node),))
         else:
             records += _handle_records(node, defuse, aliases, names)
-        call = None if sites else opaque_call(node, has_body)
+        call = None if sites or not _receives_state(node, aliases) else opaque_call(node, has_body)
         if call is not None:
             records += _opaque_records(node, call, aliases, names)
     if classify:
