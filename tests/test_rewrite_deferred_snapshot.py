@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcppass.backend import PcpBackend
+from pcppass.compiler import PcpBackend
 from pcppass.engine.launch import launch
 from pcppass.registry import register_pattern
 from pcppass.spec import CacheRole, PagedRows, Recipe, WritePattern
@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, case: str):
     recipe, step = CASES[case]
     register_pattern(_pattern(recipe), replace=True)
     torch._dynamo.reset()
-    backend = PcpBackend(inner="eager")
+    backend = PcpBackend(schedule="deferred", inner="eager")
     compiled = torch.compile(step, backend=backend, fullgraph=True)
     memory = torch.zeros(4, 4, 8)
     h = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
