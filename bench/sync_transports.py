@@ -83,7 +83,7 @@ def _every_rank(value: Any) -> list[Any]:
 
 def graph_us(fn: Callable[[], Any], reps: int) -> dict[str, Any]:
     """Capture ``fn`` (warmed up already) in a CUDA graph; median µs of its replays, every rank's."""
-    from pcppass.cli.bench import time_graph
+    from pcppass.bench.timing import time_graph
 
     ms, status = time_graph(fn, 10, reps)
     if ms is None:
@@ -210,7 +210,7 @@ def peer_sync(layers: Layers, group: str, checks: bool) -> Callable[[], None]:
 
 def check_replicas(layers: Layers, graph: torch.cuda.CUDAGraph, seed: int) -> tuple[bool, str]:
     """Fresh own rows, one replay, then: every cache equal on every rank, device status clean."""
-    from pcppass.cli.bench import caches_equal_across_ranks
+    from pcppass.bench.inputs import caches_equal_across_ranks
     from pcppass.runtime import device_checks
 
     layers.write_own_rows(seed)
@@ -227,7 +227,7 @@ def check_replicas(layers: Layers, graph: torch.cuda.CUDAGraph, seed: int) -> tu
 def sync_rank(rank: int, world: int, cfg: Config) -> dict:
     import pcppass.kernels.peer_store  # noqa: F401  (registers pcppass::sync_peer_store)
     import pcppass.kernels.rows_cuda  # noqa: F401  (registers the CUDA sync kernels)
-    from pcppass.cli.bench import environment
+    from pcppass.bench.environment import environment
 
     group = dist.group.WORLD.group_name
     out: dict[str, Any] = {"environment": environment(), "config": asdict(cfg), "rows": {}, "kernels": {}}
@@ -324,12 +324,12 @@ def _kernel_rates(rows: int, rank: int, world: int, cfg: Config, group: str) -> 
 
 
 def decode_steps(rank: int, world: int, cfg: Config) -> dict:
-    """2-layer full-width decode steps (``pcppass.cli.bench.DecodeSetup``) through the backend,
+    """2-layer full-width decode steps (``pcppass.bench.inputs.DecodeSetup``) through the backend,
     caches copied into symmetric memory: the backend picks peer stores there; the all-gather
     transport is forced with ``PcpBackend(transport="allgather")``. Each step captured in a CUDA
     graph; ``nosync`` (no sync at all) is the lower bound."""
     from pcppass import PcpBackend, SyncChecks
-    from pcppass.cli.bench import DecodeSetup, caches_equal_across_ranks, owned
+    from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
     from pcppass.models import build_model
     from pcppass.runtime import device_checks
     from pcppass.runtime.peer import symmetric_empty
@@ -483,7 +483,7 @@ def main() -> None:
     cfg = Config(world=args.world, layers=args.layers, rows=args.rows, kernel_rows=args.kernel_rows, reps=args.reps,
                  models=args.models, contexts=args.contexts, model_rows=args.model_rows, out=args.out, tag=args.tag,
                  baseline=args.baseline, timeout_s=args.timeout)
-    from pcppass.cli.bench import SAFE_ENV
+    from pcppass.bench.environment import SAFE_ENV
     from pcppass.engine.launch import launch
 
     os.environ.update(SAFE_ENV)

@@ -82,7 +82,59 @@ def test_step_report_from_a_recorded_entry():
               "config": {"world": 2, "sync_kernels": "device", "gather_hidden": True, "size": "full"},
               "models": {"llama": {"model": "llama", "layers": 2, "params": 1e9, "configs": [entry],
                                    "smoke": {"deferred": {"replicas_equal": True, "syncs_per_step": [[1, 10, 20]],
-                                                          "transport": "all_gather", "checks": {"inputs": True}}}}}}
+                                                          "transport": "peer stores",
+                                                          "checks": {"inputs": True, "state_digest": False,
+                                                                     "in_graph": {"header": True}}}}}}}
     text = step_report.markdown(result)
     assert "| 32 | 32768 | 10.000 | 6.000 | 5.500 | 5.000 | 2.000 | 0.500 / **90.9** | 1.000 / **83.3** |" in text
-    assert "transport **all_gather**" in text
+    assert ("transport **peer stores**; checks on: inputs; off: state_digest; in the graph's sync ops: header"
+            in text)
+
+
+def test_checks_stay_on_unless_a_twin_is_asked_for():
+    """Every synced variant runs checked; ``--also-checks-off`` adds a checks-off twin beside each."""
+    from pcppass.bench.step import DEFAULT_VARIANTS, model_specs, with_checks_off
+
+    assert not any(v.endswith("_nochecks") for v in DEFAULT_VARIANTS)
+    assert with_checks_off(("replicated", "deferred", "deferred_allgather", "nosync")) == (
+        "replicated", "deferred", "deferred_allgather", "deferred_nochecks", "deferred_allgather_nochecks", "nosync")
+    assert model_specs(("llama", "deepseek_v32:16"), (2, 4)) == [("llama", 2), ("llama", 4), ("deepseek_v32", 16)]
+
+
+def test_checks_cost_and_replay_lines_of_a_recorded_entry():
+    from pcppass.bench import step_report
+
+    def graph(ms, **extra):
+        return {"slowest_rank_ms": ms, "cuda_graph": {"captured": True, "slowest_rank_ms": ms, **extra}}
+
+    m = {"configs": [{"rows_per_rank": 32, "context": 32768, "variants": {
+        "deferred": graph(2.0, replicas_equal_after_replays=True, device_status="clean"),
+        "deferred_nochecks": graph(1.99), "immediate": {"cuda_graph": {"captured": False, "reason": "why"}}}}]}
+    assert step_report.checks_cost(m) == [
+        "- N=32 C=32768 pcppass deferred: checks add 10.0 µs (0.50% of the checked step)"]
+    lines = step_report._replay_lines(m)
+    assert ("- N=32 C=32768 `deferred`: after the timed replays and one with rotated owners, replicas bitwise "
+            "equal = **True**; device status clean") in lines
+    assert "- N=32 C=32768 `immediate`: not captured (why)" in lines
+
+
+def test_summary_table_names_transport_and_checks():
+    from pcppass.bench import step_report
+
+    def v(ms, transport=None, equal=None):
+        g = {"captured": True, "slowest_rank_ms": ms}
+        if equal is not None:
+            g["replicas_equal_after_replays"] = equal
+        return {"cuda_graph": g, **({"transport": transport} if transport else {})}
+
+    entry = {"rows_per_rank": 32, "context": 32768, "variants": {
+        "replicated": v(4.0), "deferred": v(2.1, "peer stores", True),
+        "deferred_nochecks": v(2.09, "peer stores", True),
+        "deferred_allgather": v(2.2, "all-gather (forced)", True), "nosync": v(2.0, equal=False)}}
+    result = {"models": {"llama": {"model": "llama", "layers": 2, "configs": [entry]}}}
+    lines = step_report.summary_table([result]).splitlines()
+    assert lines[0] == ("| model | layers | N/rank | context | replicated ms | pcppass all-gather, checks on ms | "
+                        "pcppass peer stores, checks on ms | pcppass peer stores, checks off ms | no sync ms | ideal | "
+                        "% of ideal, pcppass all-gather, checks on | % of ideal, pcppass peer stores, checks on | "
+                        "replicas equal after replays |")
+    assert lines[2] == "| llama | 2 | 32 | 32k | 4.000 | 2.200 | 2.100 | 2.090 | 2.000 | 2.00× | 90.9 | 95.2 | True |"

@@ -6,23 +6,30 @@ Per model, in the same processes and on the same caches, every variant of one de
 * ``replicated``: every rank runs all ``N * P`` rows; no sync (decode as vLLM runs it with PCP);
 * ``immediate``: ``N`` rows per rank through :class:`pcppass.compiler.PcpBackend`, one sync right
   after every write site (per-site sync, the method decode sharding started with);
-* ``deferred``: the same with pcppass's single sync at the end of the step;
-* ``deferred_nochecks``: ``deferred`` with every run-time check off (what the checks cost);
+* ``deferred``: the same with pcppass's single sync at the end of the step, the transport chosen
+  by the backend (peer stores where the caches live in symmetric memory, the all-gather otherwise);
+* ``deferred_allgather``: ``deferred`` with the all-gather transport forced;
+* ``<variant>_nochecks``: a synced variant with every check off (what the checks cost; only beside
+  the checked variant, with ``--also-checks-off``);
 * ``nosync``: ``N`` rows per rank, no sync at all: the lower bound (replicas diverge; timing only).
 
-``immediate`` and ``deferred`` run with the backend's checks on (:class:`~pcppass.checks.SyncChecks`
-defaults); each records the transport its graph used (:mod:`pcppass.bench.sync_info`). Sharded
-variants also all-gather the final hidden rows, as an engine must. Before timing, a smoke runs a
-few sharded steps with moving ownership and compares every cache bitwise across ranks (and checks
-that ``nosync`` does make them differ). See docs/BENCH.md.
+Synced variants run with the backend's checks on (:class:`~pcppass.checks.SyncChecks` defaults)
+and record the checks and the transport their graphs carry (:mod:`pcppass.bench.sync_info`).
+Sharded variants also all-gather the final hidden rows, as an engine must. Before timing, a smoke
+runs a few sharded steps with moving ownership and compares every cache bitwise across ranks (and
+checks that ``nosync`` does make them differ). With ``cuda_graph`` a step is captured when
+:func:`pcppass.bench.sync_info.capturable` says it can be (on CUDA the checks run on the device);
+after its timed replays one more replay with rotated owners at a new position runs, then the
+device status is read and every cache compared bitwise across ranks. See docs/BENCH.md.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import traceback
-from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,12 +38,40 @@ from pcppass.bench import sync_info
 from pcppass.bench.environment import environment
 from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
 from pcppass.bench.results import save_partial
-from pcppass.bench.timing import bare_all_gather_us, time_graph, time_steps, timed
+from pcppass.bench.timing import bare_all_gather_us, capture, time_steps, timed
 
-VARIANTS = ("replicated", "immediate", "deferred", "deferred_nochecks", "nosync")
+#: synced variant -> (schedule, transport); ``<variant>_nochecks``: the same with every check off
+SYNCED_KINDS = {"immediate": ("immediate", "auto"), "deferred": ("deferred", "auto"),
+                "deferred_allgather": ("deferred", "allgather")}
+NOCHECKS = "_nochecks"
+VARIANTS = ("replicated", "immediate", "deferred", "deferred_allgather", "immediate_nochecks", "deferred_nochecks",
+            "deferred_allgather_nochecks", "nosync")
 DEFAULT_VARIANTS = ("replicated", "immediate", "deferred", "nosync")
-SHARDED = ("immediate", "deferred", "deferred_nochecks", "nosync")
-SYNCED = ("deferred", "immediate", "deferred_nochecks")
+SYNCED = tuple(v for v in VARIANTS if v not in ("replicated", "nosync"))
+SHARDED = SYNCED + ("nosync",)
+
+
+def with_checks_off(variants: tuple[str, ...]) -> tuple[str, ...]:
+    """``variants`` plus the checks-off twin of each checked synced variant, in :data:`VARIANTS` order."""
+    twins = {v + NOCHECKS for v in variants if v in SYNCED_KINDS}
+    return tuple(v for v in VARIANTS if v in variants or v in twins)
+
+
+def checks_off() -> Any:
+    """``SyncChecks`` with every switch off."""
+    from pcppass.checks import SyncChecks
+
+    return SyncChecks(**{f.name: False for f in fields(SyncChecks) if isinstance(f.default, bool)})
+
+
+def model_specs(models: tuple[str, ...], layers: tuple[int, ...]) -> list[tuple[str, int]]:
+    """``("llama", "deepseek_v32:16")`` with ``layers`` (2,) -> [("llama", 2), ("deepseek_v32", 16)]:
+    ``name:L`` runs that model with L layers only."""
+    out = []
+    for spec in models:
+        name, _, count = spec.partition(":")
+        out += [(name, int(count))] if count else [(name, n) for n in layers]
+    return out
 
 
 @dataclass(frozen=True)
@@ -59,8 +94,11 @@ class StepBenchConfig:
     micro_layers: int = 61
     micro_rows: tuple[int, ...] = (8, 32, 128)
     micro_reference: bool = False
-    #: the cache-write ops' data-dependent value checks (host reads) during the steps
+    #: the cache-write ops' data-dependent value checks (host reads) during eager steps (a capture
+    #: skips them; the backend's device checks of the slot inputs run either way)
     op_value_checks: bool = False
+    #: the caches in symmetric memory (pcppass.runtime.peer), so the backend can pick peer stores
+    symmetric_caches: bool = False
     out: str = "bench/results"
     tag: str = ""
     timeout_s: float = 580.0
@@ -79,17 +117,17 @@ def configure_dynamo() -> None:
 
 
 def compiled_variants(model: torch.nn.Module, name: str, variants: tuple[str, ...]) -> dict[str, Any]:
-    """variant -> compiled step, and for the synced variants their backend."""
+    """variant -> (compiled step, its backend or None)."""
     from pcppass.compiler import PcpBackend, SyncChecks
 
     plain = torch.compile(model, fullgraph=True)
     out: dict[str, Any] = {"replicated": (plain, None), "nosync": (plain, None)}
     for v in variants:
         if v in SYNCED:
-            checks = SyncChecks() if v != "deferred_nochecks" else SyncChecks(
-                inputs=False, header=False, slot_conflicts=False, compile_fingerprint=False)
-            backend = PcpBackend(schedule="immediate" if v == "immediate" else "deferred", inner="inductor",
-                                 checks=checks, name=f"{name}-{v}")
+            schedule, transport = SYNCED_KINDS[v.removesuffix(NOCHECKS)]
+            checks = checks_off() if v.endswith(NOCHECKS) else SyncChecks()
+            backend = PcpBackend(schedule=schedule, inner="inductor", checks=checks, transport=transport,
+                                 name=f"{name}-{v}")
             out[v] = (torch.compile(model, backend=backend, fullgraph=True), backend)
     return out
 
@@ -97,27 +135,39 @@ def compiled_variants(model: torch.nn.Module, name: str, variants: tuple[str, ..
 def bench_model(rank: int, world: int, cfg: StepBenchConfig, name: str, layers: int,
                 log: Callable[[str], None]) -> dict:
     from pcppass.models import build_model
-    from pcppass.runtime.stats import SYNC_COUNTERS
 
     torch._dynamo.reset()
     t0 = time.time()
     model = build_model(name, cfg.size, dtype=torch.bfloat16, device="cuda", num_layers=layers)
     requests = max(cfg.rows_per_rank) * world
-    extra = 4 * cfg.smoke_steps + 2  # smoke steps of up to three sharded variants + the control
+    synced = [v for v in SYNCED if v in cfg.variants]
+    # positions past the context: the smoke's steps and its nosync control, then one fresh position
+    # per replay check (a row rewritten with the bytes it holds would prove nothing)
+    smoke_positions = cfg.smoke_steps * len(synced) + 2
+    checks = len(cfg.rows_per_rank) * len(cfg.contexts) * len(cfg.variants)
+    extra = smoke_positions + checks + 1
     setup = DecodeSetup(model, requests, max(cfg.contexts), extra, seed=1234)
+    symmetric = setup.move_caches_to_symmetric_memory() if cfg.symmetric_caches else "not asked for"
     res: dict[str, Any] = {
         "model": name, "layers": layers,
         "params": sum(p.numel() for p in model.parameters()),
         "cache_bytes_per_rank": setup.cache_bytes(),
         "caches": {k: [list(v.shape), str(v.dtype)] for k, v in setup.caches.items()},
+        "caches_in_symmetric_memory": symmetric is None,
         "build_s": round(time.time() - t0, 1),
     }
-    log(f"{name} x{layers}: built in {res['build_s']} s, caches {setup.cache_bytes() / 2**30:.1f} GiB")
+    if symmetric is not None and cfg.symmetric_caches:
+        res["symmetric_memory_refused"] = symmetric
+    log(f"{name} x{layers}: built in {res['build_s']} s, caches {setup.cache_bytes() / 2**30:.1f} GiB, "
+        f"symmetric memory: {symmetric or 'yes'}")
     compiled = compiled_variants(model, name, cfg.variants)
 
-    def call(variant: str, reqs: list[int], context: int, position: int):
+    def call(variant: str, n: int, context: int, position: int, turn: int = 0) -> tuple[Callable[[], Any], tuple]:
+        """The step of ``variant`` (and its inputs) for ``n`` rows per rank; owners rotated by ``turn``."""
         fn = compiled[variant][0]
-        ids, positions, meta = setup.step(reqs, context, position)
+        reqs = list(range(n * world)) if variant == "replicated" else owned(n * world, world, rank, turn)
+        inputs = setup.step(reqs, context, position)
+        ids, positions, meta = inputs
 
         def step():
             hidden = fn(ids, positions, meta, setup.caches)
@@ -127,19 +177,42 @@ def bench_model(rank: int, world: int, cfg: StepBenchConfig, name: str, layers: 
                 return out
             return hidden
 
-        return step
+        return step, inputs
 
-    # -- compile + correctness smoke (first N and context)
+    res["compile_s"], res["smoke"] = smoke(cfg, world, call, compiled, setup, log, name)
+    fresh = itertools.count(smoke_positions)
+    configs = []
+    for n in cfg.rows_per_rank:
+        for c in cfg.contexts:
+            configs.append(time_config(cfg, call, compiled, setup, n, c, world, fresh))
+            log(f"{name} x{layers}: N={n} C={c}: " + ", ".join(
+                f"{v}={d.get('slowest_rank_ms', float('nan')):.3f}ms"
+                + (f"/graph {d['cuda_graph']['slowest_rank_ms']:.3f}" if d.get("cuda_graph", {}).get("captured")
+                   else "")
+                for v, d in configs[-1]["variants"].items()))
+    res["configs"] = configs
+    del compiled, setup, model
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return res
+
+
+def smoke(cfg: StepBenchConfig, world: int, call: Callable, compiled: dict, setup: DecodeSetup,
+          log: Callable[[str], None], name: str) -> tuple[dict, dict]:
+    """Compile every variant and run the correctness smoke: sharded steps with rotating owners must
+    leave every cache bitwise equal across ranks; the ``nosync`` control must make them differ."""
+    from pcppass.runtime.stats import SYNC_COUNTERS
+
     n0, c0 = cfg.rows_per_rank[0], cfg.contexts[0]
     compile_s: dict[str, float] = {}
-    smoke: dict[str, Any] = {}
+    out: dict[str, Any] = {}
     position = c0
     for v in [v for v in SYNCED if v in cfg.variants]:
         t = time.time()
         syncs = []
         for s in range(cfg.smoke_steps):
             SYNC_COUNTERS.take()
-            call(v, owned(n0 * world, world, rank, s), c0, position)()
+            call(v, n0, c0, position, turn=s)[0]()
             torch.cuda.synchronize()
             counts = SYNC_COUNTERS.take()
             syncs.append([counts.collectives, counts.bytes_sent, counts.bytes_gathered])
@@ -148,71 +221,100 @@ def bench_model(rank: int, world: int, cfg: StepBenchConfig, name: str, layers: 
                 compile_s[v] = round(time.time() - t, 1)
         equal = caches_equal_across_ranks(setup.caches)
         backend = compiled[v][1]
-        smoke[v] = {"steps": cfg.smoke_steps, "replicas_equal": all(equal.values()),
-                    "differing_caches": [k for k, ok in equal.items() if not ok],
-                    "syncs_per_step": syncs,
-                    "graph_collectives": [r.collectives for r in backend.reports],
-                    "reports": [r.reason for r in backend.reports],
-                    **sync_info.transport(backend), "checks": sync_info.checks(backend)}
-        log(f"{name}: smoke {v}: replicas equal={smoke[v]['replicas_equal']} syncs={syncs[-1]} "
-            f"transport={smoke[v]['transport']} (compile+first step {compile_s[v]} s)")
+        out[v] = {"steps": cfg.smoke_steps, "replicas_equal": all(equal.values()),
+                  "differing_caches": [k for k, ok in equal.items() if not ok],
+                  "syncs_per_step": syncs,
+                  "graph_collectives": [r.collectives for r in backend.reports],
+                  "reports": [r.reason for r in backend.reports],
+                  **sync_info.transport(backend), "checks": sync_info.checks(backend)}
+        log(f"{name}: smoke {v}: replicas equal={out[v]['replicas_equal']} syncs={syncs[-1]} "
+            f"transport={out[v]['transport']} (compile+first step {compile_s[v]} s)")
     if "nosync" in cfg.variants or "replicated" in cfg.variants:
         t = time.time()
-        call("nosync", owned(n0 * world, world, rank, 0), c0, position)()
+        call("nosync", n0, c0, position)[0]()
         torch.cuda.synchronize()
         compile_s["plain"] = round(time.time() - t, 1)
         equal = caches_equal_across_ranks(setup.caches)
-        smoke["nosync_control"] = {"replicas_equal": all(equal.values()),
-                                   "differing_caches": [k for k, ok in equal.items() if not ok],
-                                   "expected": "replicas differ (no sync)"}
-        log(f"{name}: nosync control: replicas equal={smoke['nosync_control']['replicas_equal']}")
-    res["compile_s"] = compile_s
-    res["smoke"] = smoke
+        out["nosync_control"] = {"replicas_equal": all(equal.values()),
+                                 "differing_caches": [k for k, ok in equal.items() if not ok],
+                                 "expected": "replicas differ (no sync)"}
+        log(f"{name}: nosync control: replicas equal={out['nosync_control']['replicas_equal']}")
+    return compile_s, out
 
-    # -- timings
-    configs = []
-    for n in cfg.rows_per_rank:
-        for c in cfg.contexts:
-            entry: dict[str, Any] = {"rows_per_rank": n, "context": c, "requests": n * world, "variants": {}}
-            steps = {}
-            for v in cfg.variants:
-                reqs = list(range(n * world)) if v == "replicated" else owned(n * world, world, rank, 0)
-                steps[v] = call(v, reqs, c, c)
-                SYNC_COUNTERS.take()
-                steps[v]()
-                torch.cuda.synchronize()
-                counts = SYNC_COUNTERS.take()
-                ms = time_steps(steps[v], cfg.warmup, cfg.reps)
-                entry["variants"][v] = {**timed(ms, "eager-launch"), "rows": len(reqs),
-                                        "sync_collectives": counts.collectives,
-                                        "sync_bytes_sent": counts.bytes_sent,
-                                        "sync_bytes_gathered": counts.bytes_gathered}
-            deferred = entry["variants"].get("deferred", {})
-            if deferred.get("sync_bytes_sent"):
-                entry["bare_all_gather_sync_bytes"] = bare_all_gather_us(deferred["sync_bytes_sent"])
-            if cfg.cuda_graph:
-                for v, step in steps.items():
-                    ok, why = sync_info.capturable(compiled[v][1])
-                    if not ok:
-                        entry["variants"][v]["cuda_graph"] = {"captured": False, "reason": why}
-                        continue
-                    ms, status = time_graph(step, cfg.warmup, cfg.reps)
-                    if ms is None:
-                        entry["variants"][v]["cuda_graph"] = {"captured": False, "reason": status}
-                    else:
-                        entry["variants"][v]["cuda_graph"] = {"captured": True, **timed(ms, "cuda-graph")}
-            derive(entry)
-            configs.append(entry)
-            log(f"{name} x{layers}: N={n} C={c}: " + ", ".join(
-                f"{v}={d.get('slowest_rank_ms', float('nan')):.3f}ms"
-                + (f"/graph {d['cuda_graph']['slowest_rank_ms']:.3f}" if d.get("cuda_graph", {}).get("captured")
-                   else "")
-                for v, d in entry["variants"].items()))
-    res["configs"] = configs
-    del compiled, setup, model
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
-    return res
+
+def time_config(cfg: StepBenchConfig, call: Callable, compiled: dict, setup: DecodeSetup, n: int, c: int,
+                world: int, fresh: Iterator[int]) -> dict:
+    """Every variant at ``n`` rows per rank and context ``c``: eager, then (``cuda_graph``) replays,
+    each checked by a replay at position ``c + next(fresh)``, where no step wrote before."""
+    from pcppass.runtime.stats import SYNC_COUNTERS
+
+    entry: dict[str, Any] = {"rows_per_rank": n, "context": c, "requests": n * world, "variants": {}}
+    steps = {}
+    for v in cfg.variants:
+        steps[v] = call(v, n, c, c)
+        SYNC_COUNTERS.take()
+        steps[v][0]()
+        torch.cuda.synchronize()
+        counts = SYNC_COUNTERS.take()
+        ms = time_steps(steps[v][0], cfg.warmup, cfg.reps)
+        backend = compiled[v][1]
+        entry["variants"][v] = {**timed(ms, "eager-launch"), "rows": len(steps[v][1][0]),
+                                "sync_collectives": counts.collectives,
+                                "sync_bytes_sent": counts.bytes_sent,
+                                "sync_bytes_gathered": counts.bytes_gathered}
+        if backend is not None:
+            entry["variants"][v]["transport"] = sync_info.transport(backend)["transport"]
+            entry["variants"][v]["checks"] = sync_info.checks(backend)
+    sent = next((d["sync_bytes_sent"] for v, d in entry["variants"].items() if v in SYNCED and d["sync_bytes_sent"]),
+                None)
+    if sent:
+        entry["bare_all_gather_sync_bytes"] = bare_all_gather_us(sent)
+    if cfg.cuda_graph:
+        for v, (step, inputs) in steps.items():
+            ok, why = sync_info.capturable(compiled[v][1])
+            entry["variants"][v]["cuda_graph"] = (
+                replayed(step, inputs, call(v, n, c, c + next(fresh), turn=1)[1], setup.caches, cfg) if ok
+                else {"captured": False, "reason": why})
+    derive(entry)
+    return entry
+
+
+def replayed(step: Callable[[], Any], inputs: tuple, rotated: tuple, caches: dict[str, torch.Tensor],
+             cfg: StepBenchConfig) -> dict:
+    """``step`` captured in a CUDA graph and timed by replaying it, on replicas made identical first;
+    then the step's inputs are overwritten with ``rotated`` (owners rotated, a position no step
+    wrote yet) and replayed once more. Then the device status is read (the checks record what they find there;
+    nothing raises during replays) and every cache compared bitwise across ranks."""
+    from pcppass.runtime import device_checks
+
+    make_replicas_identical(caches)
+    graph, status = capture(step)
+    if graph is None:
+        return {"captured": False, "reason": status}
+    ms = time_steps(graph.replay, cfg.warmup, cfg.reps)
+    for dst, src in zip(flat_tensors(inputs), flat_tensors(rotated)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    error = device_checks.pending("cuda")
+    equal = caches_equal_across_ranks(caches)
+    del graph
+    return {"captured": True, **timed(ms, "cuda-graph"), "replicas_equal_after_replays": all(equal.values()),
+            "differing_caches": [k for k, ok in equal.items() if not ok],
+            "device_status": str(error) if error is not None else "clean"}
+
+
+def flat_tensors(inputs: tuple) -> list[torch.Tensor]:
+    """The tensors of ``(input_ids, positions, meta)`` in a fixed order."""
+    ids, positions, meta = inputs
+    return [ids, positions, *(meta[k] for k in sorted(meta))]
+
+
+def make_replicas_identical(caches: dict[str, torch.Tensor]) -> None:
+    """Every rank's caches become rank 0's bytes (controls and replicated steps leave them apart)."""
+    for cache in caches.values():
+        dist.broadcast(cache.view(torch.uint8) if cache.is_contiguous() else cache, src=0)
+    torch.cuda.synchronize()
 
 
 def _fractions(times: dict[str, float | None], prefix: str) -> dict[str, float]:
@@ -272,15 +374,14 @@ def bench_rank(rank: int, world: int, cfg: StepBenchConfig) -> dict:
                 result["errors"].append({"stage": "sync_microbench", "traceback": traceback.format_exc()[-3000:]})
                 log(result["errors"][-1]["traceback"])
             save()
-        for name in cfg.models:
-            for layers in cfg.layers:
-                key = name if layers == cfg.layers[0] else f"{name}_x{layers}"
-                try:
-                    result["models"][key] = bench_model(rank, world, cfg, name, layers, log)
-                except Exception:
-                    result["errors"].append({"stage": key, "traceback": traceback.format_exc()[-3000:]})
-                    log(result["errors"][-1]["traceback"])
-                    torch._dynamo.reset()
-                    torch.cuda.empty_cache()
-                save()
+        for name, layers in model_specs(cfg.models, cfg.layers):
+            key = name if layers == cfg.layers[0] else f"{name}_x{layers}"
+            try:
+                result["models"][key] = bench_model(rank, world, cfg, name, layers, log)
+            except Exception:
+                result["errors"].append({"stage": key, "traceback": traceback.format_exc()[-3000:]})
+                log(result["errors"][-1]["traceback"])
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+            save()
     return result

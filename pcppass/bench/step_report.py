@@ -5,22 +5,74 @@ from __future__ import annotations
 from pathlib import Path
 
 from pcppass.bench.results import fmt, pyplot
-from pcppass.bench.step import SYNCED, VARIANTS
+from pcppass.bench.step import NOCHECKS, SYNCED, VARIANTS
 
 LABELS = {"replicated": "replicated", "immediate": "per-site sync", "deferred": "pcppass deferred",
-          "deferred_nochecks": "deferred, checks off", "nosync": "no sync"}
+          "deferred_allgather": "pcppass, all-gather", "immediate_nochecks": "per-site, checks off",
+          "deferred_nochecks": "pcppass, checks off", "deferred_allgather_nochecks": "all-gather, checks off",
+          "nosync": "no sync"}
+
+
+#: the order of the per-variant sync columns: pcppass first
+SHARE_ORDER = ("deferred", "deferred_allgather", "immediate", "deferred_nochecks", "deferred_allgather_nochecks",
+               "immediate_nochecks")
+
+
+def checks_text(checks: dict) -> str:
+    """``on: a, b; off: c; in the graph's sync ops: header, slot_conflicts``."""
+    if not isinstance(checks, dict) or "in_graph" not in checks and "inputs" not in checks:
+        return str(checks)
+    on = [k for k, v in checks.items() if v is True]
+    off = [k for k, v in checks.items() if v is False]
+    in_graph = [k for k, v in checks.get("in_graph", {}).items() if v]
+    return (f"on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'}; "
+            f"in the graph's sync ops: {', '.join(in_graph) or 'none'}")
 
 
 def _sync_lines(m: dict) -> list[str]:
     lines = []
+    if "caches_in_symmetric_memory" in m:
+        lines.append(f"- caches in symmetric memory: **{m['caches_in_symmetric_memory']}**"
+                     + (f" ({m['symmetric_memory_refused']})" if m.get("symmetric_memory_refused") else ""))
     for v, s in m.get("smoke", {}).items():
         line = f"- smoke `{v}`: replicas bitwise equal across ranks = **{s['replicas_equal']}**"
         if s.get("differing_caches"):
             line += f" (differing: {len(s['differing_caches'])} caches; {s.get('expected', 'UNEXPECTED')})"
         if "syncs_per_step" in s:
             line += (f"; sync per step (collectives, bytes sent, bytes gathered) = {s['syncs_per_step'][-1]}"
-                     f"; transport **{s.get('transport')}**; checks {s.get('checks')}")
+                     f"; transport **{s.get('transport')}**; checks {checks_text(s.get('checks'))}")
         lines.append(line)
+    return lines
+
+
+def _replay_lines(m: dict) -> list[str]:
+    """Per captured variant: replicas and device status after the replays; why others were not captured."""
+    lines = []
+    for e in m.get("configs", []):
+        where = f"N={e['rows_per_rank']} C={e['context']}"
+        for vn, vd in e["variants"].items():
+            g = vd.get("cuda_graph", {})
+            if g and not g.get("captured"):
+                lines.append(f"- {where} `{vn}`: not captured ({g['reason']})")
+            elif g.get("captured") and "replicas_equal_after_replays" in g:
+                expected = " (expected: no sync)" if vn == "nosync" else ""
+                lines.append(f"- {where} `{vn}`: after the timed replays and one with rotated owners, replicas "
+                             f"bitwise equal = **{g['replicas_equal_after_replays']}**{expected}; device status "
+                             f"{g.get('device_status')}")
+    return lines
+
+
+def checks_cost(m: dict) -> list[str]:
+    """Per captured pair ``X`` / ``X_nochecks``: what the checks add to a replayed step."""
+    lines = []
+    for e in m.get("configs", []):
+        for v, d in e["variants"].items():
+            off = e["variants"].get(v + NOCHECKS, {}).get("cuda_graph", {})
+            on = d.get("cuda_graph", {})
+            if on.get("captured") and off.get("captured"):
+                cost = on["slowest_rank_ms"] - off["slowest_rank_ms"]
+                lines.append(f"- N={e['rows_per_rank']} C={e['context']} {LABELS[v]}: checks add "
+                             f"{1000 * cost:.1f} µs ({100 * cost / on['slowest_rank_ms']:.2f}% of the checked step)")
     return lines
 
 
@@ -28,7 +80,7 @@ def _table(m: dict, variants: list[str], graph: bool) -> list[str]:
     """Per (N, C): each variant's step time, the ideal speedup (replicated / no sync), and per synced
     variant its sync cost (variant - no sync) and its speedup as a share of the ideal."""
     prefix = "graph_" if graph else ""
-    synced = [v for v in SYNCED if v in variants]
+    synced = sorted((v for v in SYNCED if v in variants), key=SHARE_ORDER.index)
     head = (["N/rank", "context"] + [f"{LABELS[v]} ms" for v in variants] + ["ideal speedup"]
             + [f"{LABELS[v]}: sync ms / % of ideal" for v in synced])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -58,7 +110,10 @@ def markdown(result: dict) -> str:
     lines = [f"# pcppass bench: {env.get('device')} × {cfg['world']}", "",
              f"{env['date']} · torch {env['torch']} · triton {env.get('triton')} · NCCL {env.get('nccl')} · "
              f"CUDA {env.get('cuda')} · sync kernels: {cfg['sync_kernels']} · "
-             f"hidden all-gather in sharded steps: {cfg['gather_hidden']}", ""]
+             f"hidden all-gather in sharded steps: {cfg['gather_hidden']} · caches in symmetric memory asked for: "
+             f"{cfg.get('symmetric_caches', False)}", "",
+             "Checks: every synced variant runs with `SyncChecks()` (every check on) except the `*_nochecks` "
+             "ones, which run with every check off beside it.", ""]
     for key, m in result.get("models", {}).items():
         variants = [v for v in VARIANTS if any(v in e["variants"] for e in m.get("configs", []))]
         lines += [f"## {m['model']} ({cfg['size']} width, {m['layers']} layers, {m['params'] / 1e9:.2f} B params)", ""]
@@ -67,12 +122,7 @@ def markdown(result: dict) -> str:
         lines += _table(m, variants, graph=False)
         if any("cuda_graph" in d for e in m.get("configs", []) for d in e["variants"].values()):
             lines += ["", "CUDA-graph replay (slowest rank's median):", ""]
-            lines += _table(m, variants, graph=True)
-            for e in m.get("configs", []):
-                for vn, vd in e["variants"].items():
-                    g = vd.get("cuda_graph", {})
-                    if g and not g.get("captured"):
-                        lines.append(f"- N={e['rows_per_rank']} C={e['context']} `{vn}`: not captured ({g['reason']})")
+            lines += _table(m, variants, graph=True) + [""] + _replay_lines(m) + checks_cost(m)
         lines.append("")
     micro = result.get("sync_microbench")
     if micro:
@@ -133,3 +183,51 @@ def plot(result: dict, path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+#: the columns of the summary table, in order (those a run has)
+SUMMARY = ("replicated", "deferred_allgather", "deferred_allgather_nochecks", "deferred", "deferred_nochecks",
+           "immediate", "nosync")
+
+
+def summary_table(results: list[dict]) -> str:
+    """One row per (model, layers, N, C) of every result: each variant's CUDA-graph replay (slowest
+    rank's median, ms) under a header naming its transport and checks, the ideal speedup
+    (replicated / no sync), each checked pcppass variant's share of it, and whether the replicas
+    were bitwise equal after the synced variants' replays."""
+    rows, cols = [], [v for v in SUMMARY if any(_graph_ms(e, v) for r in results for m in r.get("models", {}).values()
+                                                for e in m.get("configs", []))]
+    names = {}
+    for r in results:
+        for m in r.get("models", {}).values():
+            for e in m.get("configs", []):
+                for v in cols:
+                    names.setdefault(v, _column(v, e["variants"].get(v, {})))
+                ms = {v: _graph_ms(e, v) for v in cols}
+                rep, nos = ms.get("replicated"), ms.get("nosync")
+                shares = [fmt(100 * nos / ms[v] if nos and ms.get(v) else None, ".1f")
+                          for v in ("deferred_allgather", "deferred") if v in cols]
+                equal = all(e["variants"][v]["cuda_graph"].get("replicas_equal_after_replays", False)
+                            for v in cols if v in SYNCED and ms.get(v))
+                rows.append([m["model"], str(m["layers"]), str(e["rows_per_rank"]), f"{e['context'] // 1024}k"]
+                            + [fmt(ms[v]) for v in cols] + [fmt(rep / nos if rep and nos else None, ".2f") + "×"]
+                            + shares + [str(equal)])
+    head = (["model", "layers", "N/rank", "context"] + [f"{names[v]} ms" for v in cols] + ["ideal"]
+            + [f"% of ideal, {names[v]}" for v in ("deferred_allgather", "deferred") if v in cols]
+            + ["replicas equal after replays"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _graph_ms(entry: dict, variant: str) -> float | None:
+    g = entry["variants"].get(variant, {}).get("cuda_graph", {})
+    return g.get("slowest_rank_ms") if g.get("captured") else None
+
+
+def _column(variant: str, data: dict) -> str:
+    if variant not in SYNCED:
+        return LABELS[variant]
+    transport = str(data.get("transport", "")).split(" (")[0] or "?"
+    checks = "checks off" if variant.endswith(NOCHECKS) else "checks on"
+    kind = "per-site" if variant.startswith("immediate") else "pcppass"
+    return f"{kind} {transport}, {checks}"

@@ -45,13 +45,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             action.help = f"{kw['help']} (default {default})"
 
     opt("--model", ("deepseek_v32",), type=_csv(str),
-        help="comma-separated built-in models (llama, deepseek_v2, deepseek_v32, deepseek_v4)")
+        help="comma-separated built-in models (llama, deepseek_v2, deepseek_v32, deepseek_v4); "
+             "NAME:L runs NAME with L layers only (e.g. llama,deepseek_v32,deepseek_v32:16)")
     opt("--size", "full", choices=("tiny", "full"), help="model widths")
     opt("--layers", (2,), type=_csv(int), help="decoder layers, comma-separated (e.g. 2,16)")
     opt("--world", 2, type=int, help="GPUs / PCP ranks (local processes)")
     opt("--rows-per-rank", (32,), type=_csv(int), help="decode rows per rank, comma-separated")
     opt("--context", (4096,), type=_csv(int), help="cached positions per request, comma-separated")
-    opt("--variants", DEFAULT_VARIANTS, type=_csv(str), help=f"subset of {','.join(VARIANTS)}")
+    opt("--variants", DEFAULT_VARIANTS, type=_csv(str),
+        help=f"subset of {','.join(VARIANTS)}; synced variants run with every check on")
+    opt("--also-checks-off", False, action="store_true",
+        help="also time each checked synced variant with every check off, side by side (VARIANT_nochecks)")
+    opt("--symmetric-caches", False, action="store_true",
+        help="allocate the caches in symmetric memory, so the backend's automatic transport picks peer stores")
     opt("--warmup", 3, type=int, help="untimed steps first")
     opt("--reps", 20, type=int, help="timed steps")
     opt("--smoke-steps", 3, type=int, help="sharded steps before the replica comparison")
@@ -114,7 +120,7 @@ def main_step(args: argparse.Namespace) -> int:
     from pcppass.bench import step_report
     from pcppass.bench.environment import default_tag, keep_multicast_off
     from pcppass.bench.results import write
-    from pcppass.bench.step import VARIANTS, StepBenchConfig, bench_rank
+    from pcppass.bench.step import VARIANTS, StepBenchConfig, bench_rank, with_checks_off
     from pcppass.engine.launch import launch
 
     args = argparse.Namespace(**{**STEP_DEFAULTS, **vars(args)})
@@ -124,15 +130,19 @@ def main_step(args: argparse.Namespace) -> int:
     _need_gpus(args.world)
     keep_multicast_off()
     tag = args.tag or default_tag("step", args.world)
+    variants = with_checks_off(args.variants) if args.also_checks_off else args.variants
     cfg = StepBenchConfig(
         models=args.model, size=args.size, world=args.world, rows_per_rank=args.rows_per_rank,
-        contexts=args.context, layers=args.layers, variants=args.variants, warmup=args.warmup, reps=args.reps,
+        contexts=args.context, layers=args.layers, variants=variants, warmup=args.warmup, reps=args.reps,
         smoke_steps=args.smoke_steps, sync_kernels=args.sync_kernels, gather_hidden=args.gather_hidden,
         cuda_graph=args.cuda_graph, sync_microbench=args.sync_microbench, micro_layers=args.micro_layers,
         micro_rows=args.micro_rows, micro_reference=args.micro_reference, op_value_checks=args.op_value_checks,
-        out=args.out, tag=tag, timeout_s=args.timeout,
+        symmetric_caches=args.symmetric_caches, out=args.out, tag=tag, timeout_s=args.timeout,
     )
-    result = launch(bench_rank, cfg.world, cfg, backend="nccl", timeout_s=cfg.timeout_s)[0]
+    try:
+        result = launch(bench_rank, cfg.world, cfg, backend="nccl", timeout_s=cfg.timeout_s)[0]
+    except (TimeoutError, RuntimeError) as exc:  # what the run finished is kept
+        result = partial_result(cfg.out, f"bench_{tag}", exc)
     print(write(cfg.out, f"bench_{tag}", result, step_report.markdown, step_report.plot))
     return 1 if result.get("errors") else 0
 
@@ -183,6 +193,19 @@ def main_serve(args: argparse.Namespace) -> int:
     result = serve_report.summarise(results)
     print(write(cfg.out, f"serve_{tag}", result, serve_report.markdown, serve_report.plot))
     return 0 if serve_report.passed_checks(result) else 1
+
+
+def partial_result(out: str, name: str, exc: Exception) -> dict:
+    """The results a run saved before ``exc`` ended it (raises ``exc`` when it saved none)."""
+    import json
+    from pathlib import Path
+
+    path = Path(out) / f"{name}.partial.json"
+    if not path.exists():
+        raise exc
+    result = json.loads(path.read_text())
+    result.setdefault("errors", []).append({"stage": "run", "traceback": f"{type(exc).__name__}: {exc}"})
+    return result
 
 
 def _need_gpus(world: int) -> None:
