@@ -141,10 +141,12 @@ class StateDigestCheck:
 
     def after(self, args: Sequence[Any]) -> None:
         after = self._digests(args)
-        mine = torch.tensor([list(b) + list(a) for b, a in zip(self._before, after)], dtype=torch.int64)
+        mine = torch.tensor([list(b) + list(a) for b, a in zip(self._before, after)], dtype=torch.int64,
+                            device=_collective_device(self.group))
         world = dist.get_world_size(self.group)
         every_rank = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every_rank, mine, group=self.group)
+        every_rank = [r.cpu() for r in every_rank]
         diverged = [
             self.names[i] for k, i in enumerate(self.positions)
             if all(torch.equal(r[k, :2], every_rank[0][k, :2]) for r in every_rank)
@@ -157,6 +159,14 @@ class StateDigestCheck:
                 "the synchronised writes, e.g. a custom op whose mutates_args omits a cache it writes. "
                 "Declare the write (mutates_args) and cover it with a pattern."
             )
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the digests must live for a collective on ``group``: an NCCL group takes CUDA tensors
+    only (a CPU tensor fails with "No backend type associated with device type cpu")."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _capturing() -> bool:
