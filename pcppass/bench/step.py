@@ -384,4 +384,9 @@ def bench_rank(rank: int, world: int, cfg: StepBenchConfig) -> dict:
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
             save()
+            if not dist.is_initialized():  # a failed sharded step aborted the group (fail-stop)
+                result["errors"].append({"stage": "run", "traceback": "the process group was aborted: "
+                                         "the models after this one were not run"})
+                save()
+                break
     return result
