@@ -26,19 +26,9 @@ from pcppass.bench.step import checks_off
 from pcppass.compiler import PcpBackend
 from pcppass.engine.launch import launch
 from pcppass.kernels import rows_cuda
+from test_rewrite_failclosed import computed_kv_slots, kv_step
 
 NB, BS = 4, 4
-
-
-def kv_step(x, slots, k_cache, v_cache):
-    k = x.view(-1, 2, 4)
-    scale = torch.ones(())
-    torch.ops.pcppass.reshape_and_cache_flash(k, k * 2, k_cache, v_cache, slots, "auto", scale, scale)
-    return x.sum(1)
-
-
-def computed_slots_step(x, base, offset, k_cache, v_cache):
-    return kv_step(x, base + offset, k_cache, v_cache)  # slots computed in the graph
 
 
 def _compiled(fn, checks=None):
@@ -82,7 +72,7 @@ def _rank(rank, world):
     step(torch.randn(3, 8), slots, *caches)
     out["checks_off"] = sync_info.checks(unchecked)
 
-    step, computed = _compiled(computed_slots_step)
+    step, computed = _compiled(computed_kv_slots)
     step(torch.randn(3, 8), slots, torch.tensor(0), *caches)
     out["computed_on_cuda"] = sync_info.capturable(described_on_cuda(computed))
     return out
