@@ -144,8 +144,8 @@ def bench_model(rank: int, world: int, cfg: StepBenchConfig, name: str, layers: 
     # positions past the context: the smoke's steps and its nosync control, then one fresh position
     # per replay check (a row rewritten with the bytes it holds would prove nothing)
     smoke_positions = cfg.smoke_steps * len(synced) + 2
-    checks = len(cfg.rows_per_rank) * len(cfg.contexts) * len(cfg.variants)
-    extra = smoke_positions + checks + 1
+    replay_checks = len(cfg.rows_per_rank) * len(cfg.contexts) * len(cfg.variants)
+    extra = smoke_positions + replay_checks + 1
     setup = DecodeSetup(model, requests, max(cfg.contexts), extra, seed=1234)
     symmetric = setup.move_caches_to_symmetric_memory() if cfg.symmetric_caches else "not asked for"
     res: dict[str, Any] = {
