@@ -38,6 +38,9 @@ class Recipe(str, enum.Enum):
     #: replica's own rows masked out (slot -1) and every non-cache output discarded. For stateful ops
     #: whose effect is not a plain row store.
     RERUN = "rerun"
+    #: Nothing to reproduce: the op only reads the state its handle addresses (vLLM's attention
+    #: ops take the layer name to fetch the KV cache they read). Declared so the audit can say so.
+    READ_ONLY = "read_only"
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,23 @@ class CacheRole:
 
 
 @dataclass(frozen=True)
+class ContextCache:
+    """A cache an op fetches at run time through a handle argument instead of receiving it.
+
+    ``handle`` is the schema argument holding the handle (an opaque object such as vLLM's
+    ``LayerName``, or a string naming the state). The pattern's resolver maps the handle's value
+    to named tensors; ``cache`` and ``slots`` name the cache view and its slot mapping among them,
+    and ``layout`` says how a slot addresses that view (resolved at compile time on what the
+    resolver describes, checked at run time on what it returns).
+    """
+
+    handle: str
+    cache: str
+    slots: str
+    layout: RowLayout = field(default_factory=PagedRows)
+
+
+@dataclass(frozen=True)
 class WritePattern:
     """A declarative spec of one write family. See the module docstring for an example."""
 
@@ -181,6 +201,17 @@ class WritePattern:
     #: for in-place aten families: method/function spellings matched on the Dynamo graph
     aten_family: str | None = None
     doc: str = ""
+    #: caches fetched at run time through a handle argument (see :class:`ContextCache`)
+    context: tuple[ContextCache, ...] = ()
+    #: name of the registered resolver (:func:`pcppass.registry.register_resolver`) that maps a
+    #: handle's value to the tensors of ``context``; a handle with no registered resolver is uncovered
+    resolver: str | None = None
+    #: handle arguments the op only reads (with ``recipe=Recipe.READ_ONLY`` and no caches)
+    reads: tuple[str, ...] = ()
+
+    def context_roles(self, handle_arg: str) -> tuple[ContextCache, ...]:
+        """The context caches addressed through the handle argument ``handle_arg``."""
+        return tuple(c for c in self.context if c.handle == handle_arg)
 
     def uuid(self) -> str:
         """Stable identity of this pattern (fields + the layout classes' source)."""
@@ -196,6 +227,13 @@ class WritePattern:
             "aten_family": self.aten_family,
             "layout_src": [inspect.getsource(type(c.layout)) for c in self.caches],
         }
+        if self.context or self.resolver or self.reads:
+            payload["context"] = [
+                [c.handle, c.cache, c.slots, repr(c.layout), inspect.getsource(type(c.layout))]
+                for c in self.context
+            ]
+            payload["resolver"] = self.resolver
+            payload["reads"] = list(self.reads)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
