@@ -460,11 +460,16 @@ def context_tensors(resolver: str, handle: str) -> dict[str, torch.Tensor]:
 
 
 def context_cache(tensors: dict[str, torch.Tensor], role: str, layout: ResolvedLayout,
-                  where: str) -> torch.Tensor:
-    """The cache ``role`` of a resolved context, checked against the layout compiled for it."""
+                  where: str) -> torch.Tensor | None:
+    """The cache ``role`` of a resolved context, checked against the layout compiled for it.
+
+    None when the resolver returns no cache and no tensor at all: the engine has no cache for the
+    handle yet (a warm-up run), so its op wrote nothing."""
     from pcppass.errors import PcpSyncError
 
     cache = tensors.get(role)
+    if cache is None and not tensors:
+        return None
     if not isinstance(cache, torch.Tensor):
         raise PcpSyncError(f"{where}: the resolver returned no tensor for cache role {role!r} "
                            f"(got {sorted(tensors)})")
@@ -476,17 +481,20 @@ def context_cache(tensors: dict[str, torch.Tensor], role: str, layout: ResolvedL
 
 
 def layout_mismatch(cache: torch.Tensor, layout: ResolvedLayout) -> str:
-    """Why ``cache`` cannot hold rows of ``layout`` (empty when it can)."""
+    """Why ``cache`` cannot hold rows of ``layout`` (empty when it can).
+
+    A paged cache's block size is read from the cache itself (an engine may size its blocks only
+    after it compiled the graph): the bytes of one row must match. A block-split layout addresses
+    bytes inside a block, so its block must hold every segment.
+    """
     if layout.kind == "paged_rows":
         if cache.dim() < 2:
             return "a paged cache is [num_blocks, block_size, ...]"
         row = cache.element_size()
         for d in cache.shape[2:]:
             row *= int(d)
-        if int(cache.shape[1]) != layout.block_size or row != layout.bytes_per_row:
-            return (f"block size {int(cache.shape[1])} and {row} B per row, compiled for "
-                    f"{layout.block_size} and {layout.bytes_per_row}")
-        return ""
+        return "" if row == layout.bytes_per_row else \
+            f"{row} B per row, compiled for {layout.bytes_per_row}"
     if layout.kind == "block_split":
         block = cache.element_size()
         for d in cache.shape[1:]:
@@ -537,6 +545,9 @@ def sync_context_rows(
     tensors = context_tensors(resolver, handle)
     cache = context_cache(tensors, cache_role, lay, where)
     n = rows_like.shape[0]
+    if cache is None:  # nothing written
+        return (torch.zeros(n, lay.bytes_per_row, dtype=torch.uint8, device=rows_like.device),
+                torch.full((n,), -1, dtype=torch.int64, device=rows_like.device))
     slots = context_slots(tensors, slots_role, n, where).to(cache.device)
     limit = num_slots(cache, lay)
     bad = slots[(slots < -1) | (slots >= limit)]
@@ -588,9 +599,22 @@ def sync_scatter_context(
     ]
     for cache, rows_segment, slots_segment, lay, site in zip(caches, rows_segments, slots_segments,
                                                              decoded, lines[3]):
+        if cache is None:
+            _require_no_rows(gathered, index, slots_segment, site)
+            continue
         scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment,
                                encode_layout(lay), group_name, site, check_conflicts)
     return gathered.new_empty((0,))
+
+
+def _require_no_rows(gathered: torch.Tensor, index: torch.Tensor, slots_segment: int, site: str) -> None:
+    """This rank has no cache for a handle: no rank may have written a row into it."""
+    from pcppass.errors import PcpSyncError
+
+    for r in range(index.shape[0]):
+        slots = _segment(gathered, index, r, slots_segment).clone().view(torch.int64)
+        if bool((slots >= 0).any()):
+            raise PcpSyncError(f"{site}: rank {r} wrote rows into a cache this rank does not have yet")
 
 
 @sync_scatter_context.register_fake

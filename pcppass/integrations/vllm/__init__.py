@@ -29,4 +29,8 @@ from pcppass.registry import register_resolver
 
 register_resolver(RESOLVER, resolve, describe=describe)
 
-__all__ = ["RESOLVER", "UnsupportedLayer", "describe", "resolve"]
+from pcppass.integrations.vllm.audit import audit_model_dir  # noqa: E402
+from pcppass.integrations.vllm.compile import VllmBackend, audit_backend, backend  # noqa: E402
+
+__all__ = ["RESOLVER", "UnsupportedLayer", "VllmBackend", "audit_backend", "audit_model_dir", "backend",
+           "describe", "resolve"]

@@ -45,6 +45,8 @@ CPU_VERIFIED_ISAS = ("vec", "vec16")
 #: V = ``[..., D:]`` (vLLM 0.32)
 SPLIT_HEAD_DIM_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
 CPU_BACKEND = "CPU_ATTN"
+#: the block size of the compile-time description (CPU_ATTN takes multiples of 32)
+DESCRIBE_BLOCK = 32
 
 
 class UnsupportedLayer(ValueError):
@@ -83,17 +85,6 @@ def _backend_name(layer: Any) -> str:
     return layer.attn_backend.get_name()
 
 
-def _cpu_isa(layer: Any, cache_dtype: torch.dtype, block_size: int) -> str:
-    """The ISA the CPU kernel packs K for: the layer's (set by the metadata builder), or the one
-    the builder will choose."""
-    isa = getattr(layer, "isa", None)
-    if isa is None:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(cache_dtype, block_size, layer.head_size, layer.kv_cache_dtype)
-    return isa
-
-
 def kv_views(layer: Any, name: str, kv_cache: torch.Tensor, *, isa: str | None = None) -> dict[str, torch.Tensor]:
     """The role views of one layer's ``kv_cache`` (see the module docstring)."""
     _check_supported(layer, name)
@@ -130,14 +121,19 @@ def kv_views(layer: Any, name: str, kv_cache: torch.Tensor, *, isa: str | None =
 
 
 def resolve(name: str) -> Mapping[str, torch.Tensor]:
-    """Run time: the layer's cache views and ``slot_mapping`` (absent when the forward context
-    has none for the layer: the op then writes nothing)."""
+    """Run time: the layer's cache views and ``slot_mapping``.
+
+    Neither when the layer has no cache yet (vLLM's warm-up run, before it allocates): its op
+    writes nothing then. No ``slot_mapping`` when the forward context has none for the layer: the
+    op writes nothing either.
+    """
     from vllm.forward_context import get_forward_context
 
     layer = _layer(name)
     kv_cache = layer.kv_cache
-    isa = getattr(layer, "isa", None)
-    out = kv_views(layer, name, kv_cache, isa=isa)
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
+        return {}
+    out = kv_views(layer, name, kv_cache, isa=getattr(layer, "isa", None))
     slot_mapping = get_forward_context().slot_mapping
     slots = slot_mapping.get(name) if isinstance(slot_mapping, dict) else None
     if slots is not None:
@@ -146,19 +142,30 @@ def resolve(name: str) -> Mapping[str, torch.Tensor]:
 
 
 def describe(name: str) -> Mapping[str, torch.Tensor]:
-    """Compile time: the same views over one block of a meta tensor shaped from the layer's KV
-    cache spec (the cache itself may not be allocated yet)."""
-    from vllm.config import get_current_vllm_config
-    from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+    """Compile time: the same views over one block of a meta tensor shaped like the layer's cache.
 
+    vLLM compiles before it allocates (and may still resize the blocks of) its caches, and no vLLM
+    config is current while it compiles: the shape comes from the layer itself. Only the bytes of
+    one row reach the compiled layout; the block size used here (:data:`DESCRIBE_BLOCK`, a size
+    every backend accepts) is replaced by the real cache's at run time.
+    """
     layer = _layer(name)
     _check_supported(layer, name)
-    spec = layer.get_kv_cache_spec(get_current_vllm_config())
-    shape = compute_layer_kv_cache_shape_bytes(spec, 1)
-    raw = torch.empty(shape, dtype=torch.uint8, device="meta")
-    dtype = getattr(spec, "dtype", None)
-    logical = raw.view(dtype) if dtype is not None else raw
     if _is_mla(layer):
-        logical = logical.squeeze(1)
-    isa = _cpu_isa(layer, logical.dtype, int(shape[2])) if _backend_name(layer) == CPU_BACKEND else None
+        from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+
+        spec = layer.get_kv_cache_spec(layer._vllm_config)
+        shape = compute_layer_kv_cache_shape_bytes(spec, 1)  # [1, 1, N, C bytes]
+        logical = torch.empty(shape, dtype=torch.uint8, device="meta").view(spec.dtype).squeeze(1)
+        return kv_views(layer, name, logical)
+    dtype = layer.kv_cache_torch_dtype
+    logical = torch.empty(1, layer.num_kv_heads, DESCRIBE_BLOCK, 2 * layer.head_size, dtype=dtype,
+                          device="meta")
+    isa = None
+    if _backend_name(layer) == CPU_BACKEND:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        # every CPU_ATTN block size is a multiple of 32, so the ISA does not depend on which
+        isa = getattr(layer, "isa", None) or _get_attn_isa(dtype, DESCRIBE_BLOCK, layer.head_size,
+                                                           layer.kv_cache_dtype)
     return kv_views(layer, name, logical, isa=isa)
