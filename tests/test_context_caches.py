@@ -22,7 +22,7 @@ from torch._opaque_base import OpaqueBase
 
 from pcppass.compiler import PcpBackend
 from pcppass.engine.launch import launch
-from pcppass.errors import PcpCoverageError, PcpInputError, PcpSyncError
+from pcppass.errors import PcpCoverageError, PcpSyncError
 from pcppass.registry import register_pattern, register_resolver, unregister_resolver
 from pcppass.spec import ContextCache, Recipe, WritePattern
 
@@ -173,101 +173,152 @@ def _rank_run(rank: int, world: int, inner: str, opaque: bool):
     for step in range(2):
         x, slots = _step_inputs(step, rank, world)
         _set_slots(slots)
-        outputs.append(compiled(x))
-        caches.append({name: CONTEXT[name]["kv"].clone() for name in LAYERS})
+        outputs.append(compiled(x).numpy())  # numpy: sent back by value, not shared memory
+        caches.append({name: CONTEXT[name]["kv"].view(torch.int16).numpy().copy() for name in LAYERS})
     report = backend.reports[-1]
     return outputs, caches, report.mode, report.all_gather_nodes, [
         (w.op, w.state, w.pattern.recipe.value) for w in report.writes]
 
 
 def _reference(world: int, opaque: bool):
-    """Every rank's rows run on one rank, eagerly: the caches and outputs to match."""
+    """Every rank's step run eagerly on one process: rank r starts from the caches as synced after
+    the previous step and adds its own rows (what its replica holds while it computes); the synced
+    caches hold every rank's rows. Returns per step the outputs of every rank and the synced caches."""
     _fresh_context(torch.bfloat16)
-    model = Model(opaque)
+    synced = {name: CONTEXT[name]["kv"].clone() for name in LAYERS}
     outputs, caches = [], []
     for step in range(2):
-        per_rank = [_step_inputs(step, r, world) for r in range(world)]
-        for x, slots in per_rank:  # every rank's writes
-            _set_slots(slots)
+        merged = {name: t.clone() for name, t in synced.items()}
+        per_rank = []
+        for rank in range(world):
             for name in LAYERS:
-                _write(x * 2, name)
-        caches.append({name: CONTEXT[name]["kv"].clone() for name in LAYERS})
-        # what rank r computes once the whole cache holds every row (its reads follow its writes)
-        outputs.append([x + CONTEXT[LAYERS[0]]["kv"].float().sum() / 64 for x, _ in per_rank])
+                CONTEXT[name]["kv"] = synced[name].clone()
+            x, slots = _step_inputs(step, rank, world)
+            _set_slots(slots)
+            per_rank.append(Model(opaque)(x))
+            s = slots[slots >= 0]
+            for name in LAYERS:
+                merged[name][s // BLOCK, s % BLOCK] = CONTEXT[name]["kv"][s // BLOCK, s % BLOCK]
+        synced = merged
+        outputs.append(per_rank)
+        caches.append({name: t.clone() for name, t in merged.items()})
     return outputs, caches
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("inner,opaque", [("eager", False), ("aot_eager", True), ("inductor", False),
-                                          ("inductor", True)])
-def test_context_caches_synced_under_every_compiler(inner, opaque):
-    world = 2
-    ranks = launch(_rank_run, world, inner, opaque, timeout_s=280)
-    _, ref_caches = _reference(world, opaque)
-    for outputs, caches, mode, gathers, writes in ranks:
-        assert mode == "sharded" and gathers == 1, (mode, gathers)
-        assert sorted(writes) == sorted(
-            [("ctxtest::write_rows" + ("_h" if opaque else ""), name, "copy_rows") for name in LAYERS]
-            + [("ctxtest::attend" + ("_h" if opaque else ""), name, "read_only") for name in LAYERS])
-        for step in range(2):
-            for name in LAYERS:
-                # the sync wrote the other rank's rows: both replicas equal the single-rank cache
-                assert torch.equal(caches[step][name].view(torch.int16),
-                                   ref_caches[step][name].view(torch.int16)), (inner, step, name)
-    # step 1 reads the whole cache written at step 0 (synced at its end): outputs agree across ranks
-    for r in range(world):
-        assert torch.isfinite(ranks[r][0][1]).all()
-    totals = {float(CONTEXT_SUM(ranks[r][1][0][LAYERS[0]])) for r in range(world)}
-    assert len(totals) == 1
-
-
-def CONTEXT_SUM(kv: torch.Tensor) -> torch.Tensor:
-    return kv.float().sum()
-
-
-def _rank_unresolved(rank: int, world: int):
+def _rank_unresolved(rank: int, world: int) -> tuple[str, str] | None:
+    """Compile with the resolver unregistered: the refusal (type, message), or None."""
     unregister_resolver("ctxtest")
     _fresh_context()
-    _set_slots(_step_inputs(0, rank, world)[1])
+    x, slots = _step_inputs(0, rank, world)
+    _set_slots(slots)
     compiled = torch.compile(Model(False), backend=PcpBackend(inner="eager"), fullgraph=True)
     try:
-        compiled(_step_inputs(0, rank, world)[0])
+        compiled(x)
     except Exception as exc:  # noqa: BLE001
         inner = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
         return type(inner).__name__, str(inner)
     return None
 
 
-@pytest.mark.timeout(120)
-def test_handle_without_resolver_is_refused():
-    for result in launch(_rank_unresolved, 2, timeout_s=100):
-        assert result is not None and result[0] == PcpCoverageError.__name__, result
-        assert "ctxtest::write_rows" in result[1] and "'layers.0'" in result[1], result[1]
-        assert "resolver 'ctxtest'" in result[1] and "not registered" in result[1], result[1]
-
-
-def _rank_bad_runtime(rank: int, world: int, what: str):
+def _rank_wider_rows(rank: int, world: int) -> tuple[str, str] | None:
+    """After a first step, the engine hands out caches whose rows are wider than compiled for:
+    the step's sync refuses (type, message) before it writes any replica."""
     register_resolver("ctxtest", resolve, replace=True)
     _fresh_context()
-    backend = PcpBackend(inner="eager")
-    compiled = torch.compile(Model(False), backend=backend, fullgraph=True)
+    compiled = torch.compile(Model(False), backend=PcpBackend(inner="eager"), fullgraph=True)
     x, slots = _step_inputs(0, rank, world)
     _set_slots(slots)
     compiled(x)
-    if what == "row_bytes":  # the engine now hands out a cache whose rows are wider
-        for name in LAYERS:
-            CONTEXT[name]["kv"] = torch.zeros(BLOCKS, BLOCK, 2 * WIDTH)
-    before = {name: CONTEXT[name]["kv"].clone() for name in LAYERS}
+    for name in LAYERS:
+        CONTEXT[name]["kv"] = torch.zeros(BLOCKS, BLOCK, WIDTH, dtype=torch.float64)
     try:
         compiled(x)
     except Exception as exc:  # noqa: BLE001
-        untouched = all(torch.equal(before[n], CONTEXT[n]["kv"]) for n in LAYERS[1:])
+        return type(exc).__name__, str(exc)
+    return None
+
+
+#: (inner compiler, opaque handle): strings under eager, hoisted opaque objects under AOT and Inductor
+COMPILERS = [("eager", False), ("aot_eager", True), ("inductor", True)]
+
+
+def _rank_all(rank: int, world: int):
+    synced = []
+    for inner, opaque in COMPILERS:
+        torch._dynamo.reset()
+        synced.append(_rank_run(rank, world, inner, opaque))
+    torch._dynamo.reset()
+    unresolved = _rank_unresolved(rank, world)
+    torch._dynamo.reset()
+    # last: a failed step aborts the process group (fail-stop)
+    return synced, _rank_wider_rows(rank, world), unresolved
+
+
+@pytest.mark.timeout(400)
+def test_context_caches_synced_under_every_compiler_and_refused_when_unresolved():
+    world = 2
+    ranks = launch(_rank_all, world, timeout_s=380)
+    for i, (inner, opaque) in enumerate(COMPILERS):
+        ref_outputs, ref_caches = _reference(world, opaque)
+        suffix = "_h" if opaque else ""
+        for rank in range(world):
+            outputs, caches, mode, gathers, writes = ranks[rank][0][i]
+            assert mode == "sharded" and gathers == 1, (inner, mode, gathers)
+            assert sorted(writes) == sorted(
+                [(f"ctxtest::write_rows{suffix}", name, "copy_rows") for name in LAYERS]
+                + [(f"ctxtest::attend{suffix}", name, "read_only") for name in LAYERS])
+            for step in range(2):
+                for name in LAYERS:
+                    # the sync wrote the other rank's rows: every replica equals the merged cache
+                    assert torch.equal(torch.from_numpy(caches[step][name]),
+                                       ref_caches[step][name].view(torch.int16)), (inner, rank, step, name)
+                # step 1 reads the rows the other rank wrote at step 0 (synced at its end)
+                torch.testing.assert_close(torch.from_numpy(outputs[step]), ref_outputs[step][rank])
+    for rank in range(world):
+        _, wider, unresolved = ranks[rank]
+        assert wider is not None and wider[0] == PcpSyncError.__name__, wider
+        assert "'layers.0'" in wider[1] and "64 B per row, compiled for 32" in wider[1], wider[1]
+        assert unresolved is not None and unresolved[0] == PcpCoverageError.__name__, unresolved
+        assert "ctxtest::write_rows writes layers.0" in unresolved[1], unresolved[1]
+        assert "resolver 'ctxtest', which is not registered" in unresolved[1], unresolved[1]
+
+
+def _rank_other_handle(rank: int, world: int):
+    """A caller that skips Dynamo's guards (vLLM calls the compiled graph directly) hands the graph
+    another layer's handle: refused before the graph runs, nothing written."""
+    register_resolver("ctxtest", resolve, replace=True)
+    _fresh_context()
+    compiled_steps = []
+
+    def backend(gm, example_inputs):
+        step = PcpBackend(inner="eager")(gm, example_inputs)
+
+        def run(*args):
+            compiled_steps.append(args)
+            return step(*args)
+
+        compiled_steps.append(run)
+        return run
+
+    compiled = torch.compile(Model(True), backend=backend, fullgraph=True)
+    x, slots = _step_inputs(0, rank, world)
+    _set_slots(slots)
+    compiled(x)
+    run, args = compiled_steps[0], list(compiled_steps[1])
+    handles = [i for i, a in enumerate(args) if isinstance(a, Handle)]
+    args[handles[0]], args[handles[1]] = args[handles[1]], args[handles[0]]  # layers swapped
+    before = {name: CONTEXT[name]["kv"].clone() for name in LAYERS}
+    try:
+        run(*args)
+    except Exception as exc:  # noqa: BLE001
+        untouched = all(torch.equal(before[n], CONTEXT[n]["kv"]) for n in LAYERS)
         return type(exc).__name__, str(exc), untouched
     return None
 
 
 @pytest.mark.timeout(120)
-def test_cache_that_no_longer_fits_the_compiled_layout_is_refused():
-    for result in launch(_rank_bad_runtime, 2, "row_bytes", timeout_s=100):
-        assert result is not None and result[0] == PcpSyncError.__name__, result
-        assert "'layers.0'" in result[1] and "compiled for" in result[1], result[1]
+def test_graph_called_with_another_handle_is_refused_before_it_runs():
+    for result in launch(_rank_other_handle, 2, timeout_s=100):
+        assert result is not None and result[0] == "PcpInputError", result
+        assert "compiled for 'layers." in result[1] and "Handle" in result[1], result[1]
+        assert result[2], "a refused step wrote a cache"

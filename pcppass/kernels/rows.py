@@ -439,12 +439,12 @@ def _sync_unpack_fake(gathered, index, segment, like, group_name, mask_own_rows)
 #     rows, slots = pcppass.sync_context_rows(resolver, handle, cache, slots, layout, key, [token])
 #     packed      = pcppass.sync_pack(fp, ..., payloads=[..., rows, slots])     # as payloads
 #     ...all-gather, read header...
-#     token2      = pcppass.sync_scatter_context(gathered, index, [resolver], [handle], [cache], ...)
+#     token2      = pcppass.sync_scatter_context(gathered, index, after, resolver, handle, cache, ...)
 #
-# ``token`` (the op's own dependency result) orders the read after the owner's write. The scatter
-# mutates no graph tensor, so it is registered as side-effectful: functionalization and
-# dead-code elimination (AOT, Inductor) keep it; it returns an empty token that later readers of
-# the cache can depend on.
+# ``token`` (the op's own dependency result) orders the read after the owner's write; ``after``
+# orders the scatter after what must read the caches first. The scatter mutates no graph tensor,
+# so it is registered as side-effectful: functionalization and dead-code elimination (AOT,
+# Inductor) keep it; it returns an empty token that later readers of the cache can wait on.
 
 
 def context_tensors(resolver: str, handle: str) -> dict[str, torch.Tensor]:
@@ -574,6 +574,7 @@ def _sync_context_rows_fake(resolver, handle, cache_role, slots_role, layout, ro
 def sync_scatter_context(
     gathered: torch.Tensor,
     index: torch.Tensor,
+    after: list[torch.Tensor],
     resolvers: str,
     handles: str,
     cache_roles: str,
@@ -586,8 +587,9 @@ def sync_scatter_context(
 ) -> torch.Tensor:
     """:func:`sync_scatter_rows_all` for context-addressed caches: cache ``i`` is resolved at run
     time through line ``i`` of ``resolvers``, ``handles`` and ``cache_roles`` (one per line, like
-    ``sites``) and checked against the i-th layout before any row is written. Returns an empty
-    token."""
+    ``sites``) and checked against the i-th layout before any row is written. ``after`` only
+    orders the scatter after what produced those tensors (no graph edge says it reads the caches).
+    Returns an empty token."""
     decoded = decode_layouts(layouts)
     count = len(decoded)
     lines = [site_labels(text, count) for text in (resolvers, handles, cache_roles, sites)]
@@ -618,7 +620,7 @@ def _require_no_rows(gathered: torch.Tensor, index: torch.Tensor, slots_segment:
 
 
 @sync_scatter_context.register_fake
-def _sync_scatter_context_fake(gathered, index, resolvers, handles, cache_roles, rows_segments,
+def _sync_scatter_context_fake(gathered, index, after, resolvers, handles, cache_roles, rows_segments,
                                slots_segments, layouts, group_name, sites, check_conflicts):
     return gathered.new_empty((0,))
 
