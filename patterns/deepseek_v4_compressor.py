@@ -13,7 +13,8 @@ from pcppass.spec import ByArgValue, BlockSplit, CacheRole, PagedRows, Recipe, W
 COMPRESSOR_SAVE_STATE = register_pattern(WritePattern(
     name="compressor_save_state",
     ops=("pcppass::compressor_save_state",),
-    caches=(CacheRole("state_cache", slots="slot_mapping", layout=PagedRows()),),
+    caches=(CacheRole("state_cache", slots="slot_mapping", layout=PagedRows(),
+                      values=("kv", "score")),),
     row_args={"kv": 0, "score": 0, "positions": 0, "slot_mapping": 0},
     recipe=Recipe.COPY_ROWS,
     doc="compressor partial state (kv, score + ape) per token, fp32",

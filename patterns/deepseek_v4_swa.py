@@ -11,7 +11,7 @@ from pcppass.spec import CacheRole, PagedRows, Recipe, WritePattern
 SWA_QNORM_ROPE_KV_INSERT = register_pattern(WritePattern(
     name="swa_qnorm_rope_kv_insert",
     ops=("pcppass::swa_qnorm_rope_kv_insert",),
-    caches=(CacheRole("swa_cache", slots="slot_mapping", layout=PagedRows()),),
+    caches=(CacheRole("swa_cache", slots="slot_mapping", layout=PagedRows(), values=("kv",)),),
     row_args={"q": 0, "kv": 0, "slot_mapping": 0, "positions": 0},
     recipe=Recipe.COPY_ROWS,
     doc="sliding-window KV insert fused with Q norm + RoPE",

@@ -12,8 +12,8 @@ RESHAPE_AND_CACHE_FLASH = register_pattern(WritePattern(
     name="reshape_and_cache_flash",
     ops=("pcppass::reshape_and_cache_flash", "_C_cache_ops::reshape_and_cache_flash"),
     caches=(
-        CacheRole("key_cache", slots="slot_mapping", layout=PagedRows()),
-        CacheRole("value_cache", slots="slot_mapping", layout=PagedRows()),
+        CacheRole("key_cache", slots="slot_mapping", layout=PagedRows(), values=("key",)),
+        CacheRole("value_cache", slots="slot_mapping", layout=PagedRows(), values=("value",)),
     ),
     row_args={"key": 0, "value": 0, "slot_mapping": 0},
     recipe=Recipe.COPY_ROWS,

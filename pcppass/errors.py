@@ -62,3 +62,8 @@ class PcpSyncError(PcpError):
     """Replicas are or would be out of step: ranks compiled different graphs or not the same
     graphs, two ranks own one slot, state was rebound outside the graph, a recompile would run
     unsynchronised, or a peer rank stopped (its abort broke this rank's collective)."""
+
+
+class PcpGraphStageError(PcpError):
+    """The sync pass was handed a graph it cannot shard soundly: not the Dynamo graph of the whole
+    step (a post-grad graph, a piece of a split graph, or a graph it cannot tell is whole)."""

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcppass.backend import Inner, OnUncovered, PcpBackend, SyncChecks
+from pcppass.compiler import Inner, OnUncovered, PcpBackend, SyncChecks
 from pcppass.engine.layout import LayoutPlan, Policy, build_local_step
 from pcppass.engine.runner import Engine
 from pcppass.engine.scheduler import GlobalStep

@@ -11,8 +11,8 @@ Example (the whole GQA K/V family)::
     register_pattern(WritePattern(
         name="reshape_and_cache_flash",
         ops=("pcppass::reshape_and_cache_flash", "_C_cache_ops::reshape_and_cache_flash"),
-        caches=(CacheRole("key_cache", slots="slot_mapping", layout=PagedRows()),
-                CacheRole("value_cache", slots="slot_mapping", layout=PagedRows())),
+        caches=(CacheRole("key_cache", slots="slot_mapping", layout=PagedRows(), values=("key",)),
+                CacheRole("value_cache", slots="slot_mapping", layout=PagedRows(), values=("value",))),
         row_args={"key": 0, "value": 0, "slot_mapping": 0},
         recipe=Recipe.COPY_ROWS,
     ))
@@ -25,7 +25,8 @@ import hashlib
 import inspect
 import json
 from dataclasses import dataclass, field
-from typing import Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 
 class Recipe(str, enum.Enum):
@@ -41,6 +42,10 @@ class Recipe(str, enum.Enum):
     #: Nothing to reproduce: the op only reads the state its handle addresses (vLLM's attention
     #: ops take the layer name to fetch the KV cache they read). Declared so the audit can say so.
     READ_ONLY = "read_only"
+
+
+#: The resolved layout kinds the replica sync can copy (:mod:`pcppass.kernels.rows`).
+SYNC_LAYOUT_KINDS = frozenset({"paged_rows", "block_split", "indexed_dim"})
 
 
 @dataclass(frozen=True)
@@ -61,12 +66,20 @@ class ResolvedLayout:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """How slot ``s = block * block_size + offset`` addresses one row's bytes in a cache."""
+    """How slot ``s = block * block_size + offset`` addresses one row's bytes in a cache.
 
-    kind: str = "abstract"
+    ``kind`` names the addressing the sync implements for the resolved layout; it is a class
+    constant, never a constructor argument.
+    """
+
+    kind: ClassVar[str] = "abstract"
 
     def resolve(self, cache_shape, cache_itemsize: int, args: Mapping[str, object]) -> ResolvedLayout:
         raise NotImplementedError
+
+    def arguments(self) -> tuple[str, ...]:
+        """The op arguments this layout reads when it resolves (checked against the op's schema)."""
+        return ()
 
 
 def _numel(shape) -> int:
@@ -76,11 +89,25 @@ def _numel(shape) -> int:
     return n
 
 
+def _require_name(owner: str, field_name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{owner}.{field_name} must be a non-empty argument name, got {value!r}")
+
+
+def _require_names(owner: str, field_name: str, value: object) -> tuple[str, ...]:
+    """A tuple of non-empty names; a bare string is refused (it would iterate as characters)."""
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        raise TypeError(f"{owner}.{field_name} must be a tuple of names, e.g. ({value!r},), got {value!r}")
+    for item in value:
+        _require_name(owner, field_name, item)
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class PagedRows(RowLayout):
     """``cache[num_blocks, block_size, *row]``: one row is ``cache[s // bs, s % bs]`` (any strides)."""
 
-    kind: str = "paged_rows"
+    kind: ClassVar[str] = "paged_rows"
 
     def resolve(self, cache_shape, cache_itemsize, args):
         if len(cache_shape) < 2:
@@ -90,20 +117,28 @@ class PagedRows(RowLayout):
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockSplit(RowLayout):
     """``cache[num_blocks, block_size * (value_bytes + scale_bytes)]`` of uint8, block-split.
 
     The first ``block_size * value_bytes`` bytes of a block hold every token's values (token ``o``
     at ``o * value_bytes``), then ``block_size`` scale records of ``scale_bytes`` (token ``o`` at
     ``block_size * value_bytes + o * scale_bytes``): one token's bytes are two segments.
-    ``value_bytes = row_arg.shape[-1]`` (one fp8 byte per element) and
+    ``value_bytes = args[value_arg].shape[-1]`` (one fp8 byte per element) and
     ``scale_bytes = 4 * value_bytes // args[quant_block_arg]`` (one fp32 per quantisation block).
+    Keyword-only: both fields are argument names, so a positional call could swap them.
     """
 
-    kind: str = "block_split"
+    kind: ClassVar[str] = "block_split"
     value_arg: str = "k"
     quant_block_arg: str = "quant_block_size"
+
+    def __post_init__(self) -> None:
+        _require_name("BlockSplit", "value_arg", self.value_arg)
+        _require_name("BlockSplit", "quant_block_arg", self.quant_block_arg)
+
+    def arguments(self) -> tuple[str, ...]:
+        return (self.value_arg, self.quant_block_arg)
 
     def resolve(self, cache_shape, cache_itemsize, args):
         value = args[self.value_arg]
@@ -127,10 +162,15 @@ class IndexedDim(RowLayout):
     """Rows selected along one dim by an index tensor: ``cache.index_copy_(dim, idx, src)``.
 
     The "slot" of a row is its index along ``dim`` (HF StaticCache: the cache position).
+    ``IndexedDim(2)`` and ``IndexedDim(dim=2)`` are the same layout.
     """
 
-    kind: str = "indexed_dim"
+    kind: ClassVar[str] = "indexed_dim"
     dim: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"IndexedDim.dim must be an int, got {self.dim!r}")
 
     def resolve(self, cache_shape, cache_itemsize, args):
         dim = self.dim % len(cache_shape)
@@ -142,15 +182,33 @@ class IndexedDim(RowLayout):
 class ByArgValue(RowLayout):
     """The layout depends on a string/int argument of the op (e.g. ``kv_cache_dtype``).
 
-    ``cases`` maps argument values to layouts, as a tuple of pairs so the pattern stays hashable::
+    ``cases`` maps argument values to layouts, as a tuple of pairs so the pattern stays hashable
+    (a dict is accepted and kept as pairs)::
 
-        ByArgValue("kv_cache_dtype", (("auto", PagedRows()),
-                                      ("fp8_indexer", BlockSplit(value_arg="norm_weight"))))
+        ByArgValue(arg="kv_cache_dtype", cases=(("auto", PagedRows()),
+                                                ("fp8_indexer", BlockSplit(value_arg="norm_weight"))))
     """
 
-    kind: str = "by_arg_value"
-    arg: str = ""
-    cases: tuple[tuple[object, RowLayout], ...] = ()
+    kind: ClassVar[str] = "by_arg_value"
+    arg: str
+    cases: tuple[tuple[object, RowLayout], ...]
+
+    def __post_init__(self) -> None:
+        _require_name("ByArgValue", "arg", self.arg)
+        cases = tuple(self.cases.items()) if isinstance(self.cases, Mapping) else self.cases
+        if not isinstance(cases, (tuple, list)) or not cases:
+            raise TypeError(f"ByArgValue.cases must be non-empty (value, layout) pairs, got {self.cases!r}")
+        for case in cases:
+            if not (isinstance(case, (tuple, list)) and len(case) == 2 and isinstance(case[1], RowLayout)):
+                raise TypeError(f"ByArgValue case {case!r} is not a (value, layout instance) pair")
+        keys = [k for k, _ in cases]
+        if len(set(map(repr, keys))) != len(keys):
+            raise ValueError(f"ByArgValue.cases repeats a value: {keys!r}")
+        object.__setattr__(self, "cases", tuple((k, layout) for k, layout in cases))
+
+    def arguments(self) -> tuple[str, ...]:
+        inner = [a for _, layout in self.cases for a in layout.arguments()]
+        return tuple(dict.fromkeys((self.arg, *inner)))
 
     def resolve(self, cache_shape, cache_itemsize, args):
         value = args[self.arg]
@@ -163,11 +221,34 @@ class ByArgValue(RowLayout):
 
 @dataclass(frozen=True)
 class CacheRole:
-    """One cache an op writes: the argument holding it, its slot mapping and its layout."""
+    """One cache an op writes: the argument holding it, its slot mapping and its layout.
+
+    ``CacheRole("key_cache", slots="slot_mapping", layout=PagedRows(), values=("key",))``:
+    ``slots``, ``layout`` and ``values`` are keyword-only (``arg`` and ``slots`` are both names).
+    ``values`` names the arguments whose rows the op stores into one cache row, element for element
+    in the cache's dtype (their row dim from ``WritePattern.row_args``, else 0); the audit then
+    checks the layout's bytes per row against them. Leave it empty when a row is not a plain copy of
+    its inputs (a quantised row with scales computed from the data).
+    """
 
     arg: str
-    slots: str
-    layout: RowLayout = field(default_factory=PagedRows)
+    slots: str = field(kw_only=True)
+    layout: RowLayout = field(default_factory=PagedRows, kw_only=True)
+    values: tuple[str, ...] = field(default=(), kw_only=True)
+
+    def __post_init__(self) -> None:
+        _require_name("CacheRole", "arg", self.arg)
+        _require_name("CacheRole", "slots", self.slots)
+        if isinstance(self.layout, type) and issubclass(self.layout, RowLayout):
+            raise TypeError(f"CacheRole.layout must be a layout instance: {self.layout.__name__}(), "
+                            f"not the class")
+        if not isinstance(self.layout, RowLayout):
+            raise TypeError(f"CacheRole.layout must be a RowLayout, got {self.layout!r}")
+        object.__setattr__(self, "values", _require_names("CacheRole", "values", self.values))
+
+    def arguments(self) -> tuple[str, ...]:
+        """Every op argument this role names (checked against the op's schema)."""
+        return tuple(dict.fromkeys((self.arg, self.slots, *self.values, *self.layout.arguments())))
 
 
 @dataclass(frozen=True)
@@ -179,35 +260,126 @@ class ContextCache:
     to named tensors; ``cache`` and ``slots`` name the cache view and its slot mapping among them,
     and ``layout`` says how a slot addresses that view (resolved at compile time on what the
     resolver describes, checked at run time on what it returns).
+    ``ContextCache("layer_name", cache="kv_cache", slots="slot_mapping")``: every field but
+    ``handle`` is keyword-only.
     """
 
     handle: str
-    cache: str
-    slots: str
-    layout: RowLayout = field(default_factory=PagedRows)
+    cache: str = field(kw_only=True)
+    slots: str = field(kw_only=True)
+    layout: RowLayout = field(default_factory=PagedRows, kw_only=True)
+
+    def __post_init__(self) -> None:
+        for name in ("handle", "cache", "slots"):
+            _require_name("ContextCache", name, getattr(self, name))
+        if not isinstance(self.layout, RowLayout):
+            raise TypeError(f"ContextCache.layout must be a RowLayout instance, got {self.layout!r}")
+
+    def arguments(self) -> tuple[str, ...]:
+        """The op arguments this role names: the handle, and what the layout reads."""
+        return tuple(dict.fromkeys((self.handle, *self.layout.arguments())))
+
+
+def _context_roles(pattern: "WritePattern") -> tuple[ContextCache, ...]:
+    context = pattern.context
+    if isinstance(context, ContextCache) or not isinstance(context, (tuple, list)) or not all(
+            isinstance(c, ContextCache) for c in context):
+        raise TypeError(f"WritePattern {pattern.name!r}: context must be a tuple of ContextCache, "
+                        f"got {context!r}")
+    return tuple(context)
+
+
+def _check_context(name: str, recipe: "Recipe", caches, context, resolver, reads, row_args) -> None:
+    """A context-addressed pattern names its resolver and copies rows; a read-only one reads."""
+    where = f"WritePattern {name!r}"
+    if context:
+        _require_name(where, "resolver", resolver)
+        if recipe is not Recipe.COPY_ROWS:
+            raise ValueError(f"{where}: context-addressed caches are synced by copying rows "
+                             f"(recipe COPY_ROWS), got {recipe.value}")
+        if not row_args:
+            raise ValueError(f"{where}: list a per-row input in row_args (it sizes the rows of "
+                             f"each context cache)")
+    elif resolver is not None:
+        raise ValueError(f"{where}: resolver {resolver!r} given but no context cache")
+    if (recipe is Recipe.READ_ONLY) != bool(reads) or (reads and (caches or context)):
+        raise ValueError(f"{where}: a read-only pattern (recipe READ_ONLY) names the handles it "
+                         f"reads in `reads` and writes no cache")
 
 
 @dataclass(frozen=True)
 class WritePattern:
-    """A declarative spec of one write family. See the module docstring for an example."""
+    """A declarative spec of one write family. See the module docstring for an example.
+
+    Every field but ``name`` is keyword-only; the constructor checks types and names.
+    """
 
     name: str
-    ops: tuple[str, ...]
-    caches: tuple[CacheRole, ...]
+    ops: tuple[str, ...] = field(kw_only=True)
+    caches: tuple[CacheRole, ...] = field(kw_only=True)
     #: per-row input arguments and their row dim (all inputs a re-run needs, slots included);
     #: a re-run discards every output of the op, the owner keeps them all
-    row_args: Mapping[str, int] = field(default_factory=dict)
-    recipe: Recipe = Recipe.COPY_ROWS
+    row_args: Mapping[str, int] = field(default_factory=dict, kw_only=True)
+    recipe: Recipe = field(default=Recipe.COPY_ROWS, kw_only=True)
     #: for in-place aten families: method/function spellings matched on the Dynamo graph
-    aten_family: str | None = None
-    doc: str = ""
+    aten_family: str | None = field(default=None, kw_only=True)
+    doc: str = field(default="", kw_only=True)
     #: caches fetched at run time through a handle argument (see :class:`ContextCache`)
-    context: tuple[ContextCache, ...] = ()
+    context: tuple[ContextCache, ...] = field(default=(), kw_only=True)
     #: name of the registered resolver (:func:`pcppass.registry.register_resolver`) that maps a
     #: handle's value to the tensors of ``context``; a handle with no registered resolver is uncovered
-    resolver: str | None = None
-    #: handle arguments the op only reads (with ``recipe=Recipe.READ_ONLY`` and no caches)
-    reads: tuple[str, ...] = ()
+    resolver: str | None = field(default=None, kw_only=True)
+    #: handle arguments the op only reads (with ``recipe=Recipe.READ_ONLY``, no caches)
+    reads: tuple[str, ...] = field(default=(), kw_only=True)
+
+    def __post_init__(self) -> None:
+        _require_name("WritePattern", "name", self.name)
+        ops = _require_names(f"WritePattern {self.name!r}", "ops", self.ops)
+        if not ops:
+            raise ValueError(f"WritePattern {self.name!r} lists no ops")
+        if self.aten_family is None:
+            bad = [op for op in ops if "::" not in op]
+            if bad:
+                raise ValueError(f"WritePattern {self.name!r}: ops must be qualified 'namespace::op' "
+                                 f"names, got {bad}")
+        else:
+            _require_name(f"WritePattern {self.name!r}", "aten_family", self.aten_family)
+        caches = self.caches
+        context = _context_roles(self)
+        reads = _require_names(f"WritePattern {self.name!r}", "reads", self.reads) if self.reads else ()
+        if isinstance(caches, CacheRole) or not isinstance(caches, (tuple, list)) or not (
+                caches or context or reads):
+            raise TypeError(f"WritePattern {self.name!r}: caches must be a non-empty tuple of "
+                            f"CacheRole (or the pattern context-addressed or read-only), got {caches!r}")
+        if not all(isinstance(c, CacheRole) for c in caches):
+            raise TypeError(f"WritePattern {self.name!r}: every cache must be a CacheRole, got {caches!r}")
+        args = [c.arg for c in caches]
+        if len(set(args)) != len(args):
+            raise ValueError(f"WritePattern {self.name!r}: two cache roles for one argument: {args}")
+        if not isinstance(self.row_args, Mapping) or not all(
+            isinstance(k, str) and k and isinstance(v, int) and not isinstance(v, bool)
+            for k, v in self.row_args.items()
+        ):
+            raise TypeError(f"WritePattern {self.name!r}: row_args must map argument names to row "
+                            f"dims, got {self.row_args!r}")
+        recipe = Recipe(self.recipe)  # accepts "copy_rows" / "rerun"; raises ValueError otherwise
+        if recipe is Recipe.RERUN:
+            missing = sorted({c.slots for c in caches} - set(self.row_args))
+            if missing:
+                raise ValueError(f"WritePattern {self.name!r}: a re-run gathers its slot mappings: "
+                                 f"list {missing} in row_args")
+        _check_context(self.name, recipe, caches, context, self.resolver, reads, self.row_args)
+        object.__setattr__(self, "ops", ops)
+        object.__setattr__(self, "caches", tuple(caches))
+        object.__setattr__(self, "recipe", recipe)
+        object.__setattr__(self, "context", context)
+        object.__setattr__(self, "reads", reads)
+
+    def arguments(self) -> tuple[str, ...]:
+        """Every op argument the pattern names (roles, their layouts, handles, row inputs)."""
+        names = [a for c in self.caches for a in c.arguments()] + list(self.row_args)
+        names += [a for c in self.context for a in c.arguments()] + list(self.reads)
+        return tuple(dict.fromkeys(names))
 
     def context_roles(self, handle_arg: str) -> tuple[ContextCache, ...]:
         """The context caches addressed through the handle argument ``handle_arg``."""
@@ -219,7 +391,7 @@ class WritePattern:
             "name": self.name,
             "ops": list(self.ops),
             "caches": [
-                [c.arg, c.slots, type(c.layout).__name__, repr(c.layout)]
+                [c.arg, c.slots, type(c.layout).__name__, repr(c.layout), list(c.values)]
                 for c in self.caches
             ],
             "row_args": dict(self.row_args),

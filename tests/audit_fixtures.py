@@ -6,6 +6,7 @@ Importable as ``audit_fixtures:<factory>`` by the CLI tests (tests/ is on sys.pa
 from __future__ import annotations
 
 import torch
+import torch.fx
 
 from pcppass.analysis.trace import StepInputs
 
@@ -114,3 +115,18 @@ class GraphBreakModel(torch.nn.Module):
 def graph_break_model():
     x, slots, caches = _step()
     return GraphBreakModel(), StepInputs((x, slots, caches))
+
+
+def graph_with_sparse_state() -> torch.fx.GraphModule:
+    """A graph whose state and one temporary have no readable storage (sparse COO)."""
+    graph = torch.fx.Graph()
+    state = graph.placeholder("state")
+    state.meta["example_value"] = torch.zeros(4, 4).to_sparse()
+    bumped = graph.call_method("add_", (state, 1))
+    bumped.meta["example_value"] = state.meta["example_value"]
+    fresh = graph.call_method("to_sparse", (graph.call_function(torch.zeros, (4, 4)),))
+    fresh.meta["example_value"] = torch.zeros(4, 4).to_sparse()
+    written = graph.call_method("mul_", (fresh, 2))
+    written.meta["example_value"] = fresh.meta["example_value"]
+    graph.output((bumped, written))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)

@@ -59,5 +59,5 @@ def test_static_cache_decode_graph(build):
             keys = cache.layers[0].keys if w.state.endswith("keys") else cache.layers[0].values
             b, h, length, d = keys.shape
             assert (w.layout.kind, w.layout.dim, w.layout.block_size) == ("indexed_dim", 2, length)
-            assert w.bytes_per_row == b * h * d * keys.element_size()
+            assert w.bytes_per_row == w.written_bytes_per_row == b * h * d * keys.element_size()
             assert w.source.endswith(".py:" + w.source.rsplit(":", 1)[1]) and "cache_utils" in w.source

@@ -23,6 +23,12 @@ OPS_PER_LAYER = {
     "deepseek_v32": {"pcppass::fused_norm_rope": 2},
 }
 
+#: ops whose patterns declare the values stored per row, so the audit checks their bytes per row
+CHECKED_OPS = {
+    "llama": {"pcppass::reshape_and_cache_flash"},
+    "deepseek_v4": {"pcppass::swa_qnorm_rope_kv_insert", "pcppass::compressor_save_state"},
+}
+
 CASES = [
     ("llama", "tiny", {}), ("llama", "full", {"kv_cache_dtype": "fp8"}),
     ("deepseek_v2", "tiny", {}), ("deepseek_v2", "full", {"kv_cache_dtype": "fp8_ds_mla"}),
@@ -49,6 +55,10 @@ def test_reference_model_writes_all_covered(name, size, overrides):
         spec = specs[w.state.split("['caches'][")[1][1:-2]]
         assert w.bytes_per_row * groups[spec.group].block_size == spec.bytes_per_block(), w.describe()
         assert w.layout.block_size == groups[spec.group].block_size
+        # the row the op writes (declared values, in the cache dtype) is the row the layout copies
+        assert w.written_bytes_per_row in (None, w.bytes_per_row), w.describe()
+    checked = {w.op for w in writes if w.written_bytes_per_row is not None}
+    assert checked == CHECKED_OPS.get(name, set())
 
     if name in OPS_PER_LAYER:
         layers = model.config.num_layers if hasattr(model, "config") else len(model.layers)

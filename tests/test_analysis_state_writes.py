@@ -32,8 +32,8 @@ def _(key, value, key_cache, value_cache, slot_mapping) -> None:
 KV_STORE = WritePattern(
     name="test_kv_store",
     ops=("pcppass_test::kv_store",),
-    caches=(CacheRole("key_cache", "slot_mapping", PagedRows()),
-            CacheRole("value_cache", "slot_mapping", PagedRows())),
+    caches=(CacheRole("key_cache", slots="slot_mapping", layout=PagedRows()),
+            CacheRole("value_cache", slots="slot_mapping", layout=PagedRows())),
     row_args={"key": 0, "value": 0, "slot_mapping": 0},
     recipe=Recipe.COPY_ROWS,
 )
@@ -104,6 +104,8 @@ def test_mixed_module_every_write_found_and_classified():
     assert writes[3].layout.kind == "paged_rows" and writes[3].layout.block_size == 8
     assert writes[4].layout.kind == "indexed_dim" and writes[4].layout.dim == 1
     assert writes[5].layout.dim == 1 and writes[5].layout.block_size == 64
+    # aten writes: the bytes per row come from the source / values shape and match the layout
+    assert [w.written_bytes_per_row for w in writes if w.covered] == [None, None, 128, 128, 128]
     assert writes[0].bound_args["slot_mapping"].name == "l_slots_"
     assert all(w.source.endswith(".py:" + w.source.rsplit(":", 1)[1]) for w in writes)
     assert "test_analysis_state_writes.py" in writes[2].source

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import pcppass.kernels  # noqa: F401
-from pcppass.backend import PcpBackend, SyncChecks
+from pcppass.compiler import PcpBackend, SyncChecks
 from pcppass.engine.launch import launch
 from pcppass.errors import PcpInputError, PcpSyncError
 

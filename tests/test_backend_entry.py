@@ -1,20 +1,18 @@
 """How users reach the backend (single process, no process group: one rank, graph unchanged).
 
-``torch.compile(fn, backend=pcppass.backend)`` (the module attribute and the imported module both
-work), ``backend="pcppass"`` through the ``torch_dynamo_backends`` entry point, and the
-configuration errors of :class:`PcpBackend`.
+``torch.compile(fn, backend=pcppass.backend)`` (the default backend object), ``backend="pcppass"``
+through the ``torch_dynamo_backends`` entry point, and the configuration errors of
+:class:`PcpBackend`.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import torch
 
 import pcppass
 import pcppass.kernels  # noqa: F401
-from pcppass.backend import PcpBackend
+from pcppass.compiler import PcpBackend
 
 
 def _step(x, slots, cache):
@@ -31,20 +29,15 @@ def _inputs():
 @pytest.fixture
 def eager_default(monkeypatch):
     """The default backend compiles with Inductor; these tests only check the plumbing."""
-    module = importlib.import_module("pcppass.backend")
-    monkeypatch.setattr(module.backend, "inner", "eager")
-    monkeypatch.setattr(module.backend, "reports", [])
+    monkeypatch.setattr(pcppass.backend, "inner", "eager")
+    monkeypatch.setattr(pcppass.backend, "reports", [])
     torch._dynamo.reset()
-    return module.backend
+    return pcppass.backend
 
 
-@pytest.mark.parametrize("spelling", ["attribute", "module", "entry_point"])
+@pytest.mark.parametrize("spelling", ["attribute", "entry_point"])
 def test_backend_spellings_compile_and_match_eager(eager_default, spelling):
-    backend = {
-        "attribute": pcppass.backend,
-        "module": importlib.import_module("pcppass.backend"),
-        "entry_point": "pcppass",
-    }[spelling]
+    backend = {"attribute": pcppass.backend, "entry_point": "pcppass"}[spelling]
     x, slots, cache = _inputs()
     expected_cache = cache.clone()
     expected = _step(x, slots, expected_cache)
@@ -55,10 +48,8 @@ def test_backend_spellings_compile_and_match_eager(eager_default, spelling):
     assert [w.covered for w in report.writes] == [True, True]  # K and V through views of one buffer
 
 
-def test_entry_point_is_registered_with_dynamo():
-    from pcppass.backend import dynamo_entry_point
-
-    assert torch._dynamo.lookup_backend("pcppass") is dynamo_entry_point
+def test_entry_point_is_the_default_backend_object():
+    assert torch._dynamo.lookup_backend("pcppass") is pcppass.backend
 
 
 def test_dcp_keeps_decode_replicated_and_graph_unchanged():

@@ -38,7 +38,7 @@ def test_slots_follow_tables(name):
 
 
 def _sharded_steps(rank, world, name, schedule):
-    from pcppass.backend import PcpBackend
+    from pcppass.compiler import PcpBackend
     from pcppass.models import build_model
 
     model = build_model(name, "tiny")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pcppass.backend import PcpBackend
+from pcppass.compiler import PcpBackend
 from pcppass.engine.launch import launch
 from pcppass.registry import register_pattern
 from pcppass.spec import CacheRole, PagedRows, Recipe, WritePattern

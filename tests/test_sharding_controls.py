@@ -16,7 +16,7 @@ import torch
 
 from pcppass.engine.launch import launch
 from pcppass.errors import PcpCoverageError
-from pcppass.runtime.verify import RunConfig, compare, rank_main, reference_run
+from pcppass.cli.run_driver import RunConfig, compare, rank_main, reference_run
 
 SHORT = RunConfig(model="deepseek_v32", steps=12, num_requests=6, mean_arrival_gap=1.0, spec_width=2,
                   inner="eager")

@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 import pcppass.kernels  # noqa: F401
-from pcppass.backend import PcpBackend, SyncChecks
+from pcppass.compiler import PcpBackend, SyncChecks
 from pcppass.engine.launch import free_port, launch
 from pcppass.runtime import fingerprint
-from pcppass.runtime.verify import STEP_COUNT, RunConfig, RunResult, compare, rank_main, reference_run
+from pcppass.cli.run_driver import STEP_COUNT, RunConfig, RunResult, compare, rank_main, reference_run
 
 NB, BS, H, D = 8, 4, 2, 8
 #: process-group timeout of every case: a peer that waited for it would take this long

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pcppass.engine.launch import launch
-from pcppass.runtime.verify import RunConfig, compare, rank_main, reference_run
+from pcppass.cli.run_driver import RunConfig, compare, rank_main, reference_run
 
 BASE = RunConfig(num_requests=8, prompt_len=(4, 12), max_new_tokens=(4, 12), mean_arrival_gap=1.5,
                  spec_width=2)

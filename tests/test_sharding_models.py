@@ -21,7 +21,7 @@ import pcppass.kernels  # noqa: F401  (torch.ops.pcppass.*)
 from pcppass.engine.contract import CacheGroupSpec, CacheSpec, slot_key, table_key
 from pcppass.engine.launch import launch
 from pcppass.registry import register_pattern
-from pcppass.runtime.verify import RunConfig, compare, rank_main, reference_run
+from pcppass.cli.run_driver import RunConfig, compare, rank_main, reference_run
 from pcppass.spec import CacheRole, PagedRows, Recipe, WritePattern
 
 # ---------------------------------------------------------------------------------------------

@@ -6,24 +6,31 @@ Order of the checks, each an early return with its reason:
    run time: covered when the pattern's resolver is registered and describes caches its layout
    fits, read only when the pattern says the op only reads through it;
 1. the op declares no write but takes a cache-like handle: already marked by the finder;
+   the state (or the written view) is a tensor subclass: the sync copies plain storage rows;
 2. no pattern covers the op: a user Triton kernel, an unknown mutating op, or (for in-place aten
    spellings with no row index: ``add_``, ``fill_``, ``copy_`` into a fixed region) non-row state;
 3. the written tensor is a view the rewrite cannot invert;
-4. the layout does not resolve on the written tensor (wrong rank, sizes that depend on a dynamic
+4. the slot mapping (or row index) is not int64: the replica sync reads slots as int64;
+5. the layout does not resolve on the written tensor (wrong rank, sizes that depend on a dynamic
    dim, an index form that is not one row index): unknown layout;
-5. covered: ``record.pattern`` and ``record.layout`` (bytes per row) are set.
+6. the bytes per row the op writes (from the written value's shape and dtype: ``source`` of
+   ``index_copy_``, ``values`` of ``index_put_`` / setitem, a pattern role's declared ``values``)
+   differ from the layout's bytes per row: row bytes mismatch, with both numbers;
+7. covered: ``record.pattern`` and ``record.layout`` (bytes per row) are set.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from pcppass.analysis.records import StateWrite, Uncovered
-from pcppass.analysis.views import is_base_flattened_paged, node_value
+from pcppass.analysis.views import is_base_flattened_paged, is_plain_tensor, node_value
 from pcppass.registry import get_resolver, pattern_for_family, pattern_for_op
-from pcppass.spec import CacheRole, ContextCache, ResolvedLayout, WritePattern
+from pcppass.spec import (
+    SYNC_LAYOUT_KINDS, CacheRole, ContextCache, IndexedDim, ResolvedLayout, RowLayout, WritePattern,
+)
 
 #: In-place aten families that select rows through an index or mask: a row write in principle,
 #: but with no pattern describing which argument addresses the rows.
@@ -99,20 +106,110 @@ def _uncovered(record: StateWrite, reason: Uncovered, detail: str) -> None:
     record.layout = None
 
 
-def _resolve(record: StateWrite, role: CacheRole, written_value: torch.Tensor) -> None:
+def _resolve(record: StateWrite, layout: RowLayout, written_value: torch.Tensor) -> None:
     try:
-        record.layout = role.layout.resolve(
+        resolved = layout.resolve(
             _static_shape(written_value.shape),
             written_value.element_size(),
             _layout_args(record.bound_args),
         )
     except _DynamicSize as exc:
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
-                   f"{role.layout.kind} layout of {record.arg} needs the size {exc}, which is dynamic")
+                   f"{layout.kind} layout of {record.arg} needs the size {exc}, which is dynamic")
+        return
     except (ValueError, KeyError, IndexError, TypeError, ZeroDivisionError) as exc:
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
-                   f"{role.layout.kind} layout does not fit {record.arg} "
+                   f"{layout.kind} layout does not fit {record.arg} "
                    f"{list(written_value.shape)}: {exc}")
+        return
+    if resolved.kind not in SYNC_LAYOUT_KINDS:
+        _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
+                   f"{type(layout).__name__} resolved to a {resolved.kind!r} layout; the replica sync "
+                   f"copies only {', '.join(sorted(SYNC_LAYOUT_KINDS))} rows")
+        return
+    record.layout = resolved
+
+
+def _slots_are_int64(record: StateWrite, slots: torch.fx.Node, name: str) -> bool:
+    """The sync reads every slot mapping as int64 bytes: refuse any other dtype here."""
+    value = node_value(slots)
+    if not isinstance(value, torch.Tensor) or value.dtype == torch.int64:
+        return True
+    _uncovered(record, Uncovered.SLOT_DTYPE,
+               f"{record.op} at {record.source} writes {record.state} through slot mapping {name} "
+               f"of dtype {value.dtype}; the replica sync reads slots as int64: pass "
+               f"{name}.to(torch.int64)")
+    return False
+
+
+def _missing_arguments(record: StateWrite, pattern: WritePattern) -> list[str]:
+    """Arguments the pattern names that the op's schema does not have (a typo in the pattern)."""
+    return [a for a in pattern.arguments() if a not in record.bound_args]
+
+
+def _row_elements(shape, row_dim: int) -> object:
+    """Elements of one row of ``shape`` (every dim but ``row_dim``); symbolic where a dim is."""
+    n = 1
+    for i, d in enumerate(shape):
+        if i != row_dim % len(shape):
+            n = n * d
+    return n
+
+
+def _broadcast_row_elements(value_shape, target_shape, row_dim: int) -> object:
+    """Elements per row of ``value`` broadcast against the indexed result ``target_shape``."""
+    padded = [1] * (len(target_shape) - len(value_shape)) + list(value_shape)
+    full = [t if statically_known_true(v == 1) else v for v, t in zip(padded, target_shape)]
+    return _row_elements(full, row_dim)
+
+
+def _written_row_elements(record: StateWrite, role: CacheRole) -> tuple[object, str] | None:
+    """Elements of one cache row the op writes and where that comes from; None if unknown."""
+    written = node_value(record.written_node)
+    layout = record.layout
+    if record.family == "index_copy_":
+        source = node_value(record.bound_args.get("source"))
+        if not isinstance(source, torch.Tensor) or source.dim() != written.dim():
+            return None
+        return _row_elements(source.shape, layout.dim), f"source {list(source.shape)}"
+    if record.family in ("setitem", "index_put_"):
+        values = node_value(record.bound_args.get("values"))
+        if not isinstance(values, torch.Tensor):
+            return None  # a Python scalar fills whole rows
+        if layout.kind == "paged_rows":  # a flattened paged view: row i of the view is slot i
+            target, dim = list(written.shape), 0
+        else:
+            target, dim = list(written.shape), layout.dim
+        return _broadcast_row_elements(values.shape, target, dim), f"values {list(values.shape)}"
+    if not role.values:
+        return None
+    total, parts = 0, []
+    for name in role.values:
+        value = node_value(record.bound_args.get(name))
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return None
+        total = total + _row_elements(value.shape, record.pattern.row_args.get(name, 0))
+        parts.append(f"{name} {list(value.shape)}")
+    return total, " + ".join(parts)
+
+
+def _check_row_bytes(record: StateWrite, role: CacheRole) -> None:
+    """Uncover a write whose layout addresses other bytes per row than the op writes."""
+    found = _written_row_elements(record, role)
+    if found is None:
+        return
+    elements, what = found
+    itemsize = node_value(record.written_node).element_size()
+    written = elements * itemsize
+    record.written_bytes_per_row = int(written) if is_concrete_int(written) else written
+    if statically_known_true(written == record.layout.bytes_per_row):
+        return
+    layout = record.layout
+    _uncovered(record, Uncovered.ROW_BYTES_MISMATCH,
+               f"{record.op} at {record.source} writes {record.written_bytes_per_row} B per row of "
+               f"{record.state} ({what}, {itemsize} B per cache element), but pattern "
+               f"{record.pattern.name}'s {layout.kind} layout addresses {layout.bytes_per_row} B per "
+               f"row: the sync would copy the wrong bytes (check the layout's dim or shape)")
 
 
 def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
@@ -127,14 +224,16 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
                        f"{record.op} updates {record.state} as a whole, not rows addressed by a "
                        f"slot mapping (e.g. a counter every rank bumps)")
         return
-    role = cache_role(record)
     written = node_value(record.written_node)
     if family == "index_copy_":
         dim = record.bound_args.get("dim")
         if not isinstance(dim, int):
             _uncovered(record, Uncovered.UNKNOWN_LAYOUT, f"index_copy_ along a non-constant dim {dim}")
             return
-        _resolve(record, CacheRole(role.arg, role.slots, type(role.layout)(dim=dim)), written)
+        index = record.bound_args.get("index")
+        if isinstance(index, torch.fx.Node) and not _slots_are_int64(record, index, "index"):
+            return
+        _resolve(record, IndexedDim(dim=dim), written)
         return
     # setitem / index_put_: exactly one integer index tensor, after full slices only
     index = record.bound_args.get("indices")
@@ -158,6 +257,8 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
                    f"{record.op} on {record.state}: the index is not a 1-D integer tensor")
         return
+    if not _slots_are_int64(record, items[dim], "the row index"):
+        return
     base = node_value(record.state_node)
     if dim == 0 and record.view is not None and is_base_flattened_paged(base, record.view):
         # view = base[nb, bs, *row] flattened: index i is slot i of the paged base
@@ -173,7 +274,22 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
             return
         record.layout = ResolvedLayout("paged_rows", int(block_size), row_bytes)
         return
-    _resolve(record, CacheRole(role.arg, role.slots, type(role.layout)(dim=dim)), written)
+    _resolve(record, IndexedDim(dim=dim), written)
+
+
+def _subclass_state(record: StateWrite) -> bool:
+    """Uncover a write into a tensor subclass (fp8 wrapper, DTensor): its bytes are not its own."""
+    for value in (node_value(record.state_node), node_value(record.written_node)):
+        if not isinstance(value, torch.Tensor) or is_plain_tensor(value):
+            continue
+        flatten = getattr(value, "__tensor_flatten__", None)
+        inner = f" wrapping {', '.join(flatten()[0])}" if flatten is not None else ""
+        _uncovered(record, Uncovered.TENSOR_SUBCLASS_STATE,
+                   f"{record.op} at {record.source} writes {record.state}, a {type(value).__qualname__}"
+                   f"{inner}; the replica sync copies rows of plain tensors: keep the cache a plain "
+                   f"tensor, or write its inner tensors with ops a pattern covers")
+        return True
+    return False
 
 
 class ContextUnresolved(ValueError):
@@ -237,7 +353,9 @@ def classify_write(record: StateWrite) -> StateWrite:
     if record.state_node is None and record.family is None and _classify_context(record):
         return record  # a handle argument: context-addressed caches, or read only
     if record.reason is not None:
-        return record  # marked by the finder (undeclared handle)
+        return record  # marked by the finder (undeclared handle, unknown storage)
+    if _subclass_state(record):
+        return record
     if record.family is not None:
         pattern = pattern_for_family(record.family)
     else:
@@ -260,6 +378,8 @@ def classify_write(record: StateWrite) -> StateWrite:
         return record
     if record.family is not None:
         _classify_family(record, pattern)
+        if record.layout is not None:
+            _check_row_bytes(record, cache_role(record))
         return record
     role = cache_role(record)
     if role is None:
@@ -267,12 +387,23 @@ def classify_write(record: StateWrite) -> StateWrite:
                    f"pattern {pattern.name} declares no cache role for argument {record.arg} "
                    f"of {record.op}")
         return record
+    missing = _missing_arguments(record, pattern)
+    if missing:
+        known = ", ".join(record.bound_args) or "none that bind"
+        _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
+                   f"pattern {pattern.name} names argument(s) {', '.join(map(repr, missing))} that "
+                   f"{record.op} does not have (its arguments: {known})")
+        return record
     if not isinstance(record.bound_args.get(role.slots), torch.fx.Node):
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
                    f"pattern {pattern.name}: slot argument {role.slots!r} of {record.op} "
                    f"is not a tensor in the graph")
         return record
-    _resolve(record, role, node_value(record.written_node))
+    if not _slots_are_int64(record, record.bound_args[role.slots], role.slots):
+        return record
+    _resolve(record, role.layout, node_value(record.written_node))
+    if record.layout is not None:
+        _check_row_bytes(record, role)
     return record
 
 

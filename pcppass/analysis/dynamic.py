@@ -1,27 +1,39 @@
 """Dynamic audit: run real steps and find state changes no write in the graph explains.
 
 A graph-only analysis cannot see a write made by an op that fetches its cache from a global context
-(vLLM's ``unified_kv_cache_update``), by eager code around the compiled region, or across a graph
-break. Here every state tensor (tensors reachable from the step's arguments, except the row inputs,
-and the model's buffers) is snapshotted byte for byte before each step, the step runs compiled with
-a backend that interprets each graph and records what every state write actually addressed (the
-rows of its slot mapping or index for covered writes, the whole written view otherwise), and the
-bytes that changed outside those rows are reported per state tensor, as paged slots
+(vLLM's ``unified_kv_cache_update``), by a custom op that under-declares ``mutates_args``, by eager
+code around the compiled region, or across a graph break. Here every tensor the step could change is
+snapshotted byte for byte before each step (:mod:`pcppass.analysis.live_state`: the tensors
+reachable from the step's arguments and the model, and every other live tensor, such as a cache in a
+module-global dict, an attribute or a closure); the step runs compiled with a backend that
+interprets each graph and records what every state write actually addressed (the rows of its slot
+mapping or index for covered writes, the whole written view for writes reported uncovered); and the
+bytes that changed outside those rows are reported per storage, as paged slots
 (``block * block_size + offset`` for ``[num_blocks, block_size, ...]`` tensors) or dim-0 rows.
+
+The report says "verified" only when nothing escaped the watch: a tensor without a readable storage,
+state beyond the snapshot budget, or a TorchBind object (its state lives in C++) makes it say that
+it could not verify, never that every change is explained.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.fx
+from torch._library.fake_class_registry import FakeScriptObject
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from pcppass.analysis.live_state import DEFAULT_MAX_BYTES, Watched, holder_name, live_tensors, watch_list
 from pcppass.analysis.records import StateWrite, Uncovered
 from pcppass.analysis.state_writes import find_state_writes
 from pcppass.analysis.trace import StepInputs
+from pcppass.analysis.views import is_plain_tensor, node_value, storage_keys
+
+#: Records whose write explains nothing: what such a call writes is exactly the question.
+_UNEXPLAINING = frozenset({Uncovered.UNDECLARED_CACHE_HANDLE, Uncovered.OPAQUE_CALL})
 
 
 @dataclass
@@ -44,53 +56,47 @@ class DynamicReport:
     changes: list[UnexplainedChange] = field(default_factory=list)
     writes: list[StateWrite] = field(default_factory=list)  # static records of every graph seen
     num_graphs: int = 0
+    steps: int = 0
+    watched: int = 0  # storages snapshotted in the last step
+    watched_bytes: int = 0
+    unreachable: int = 0  # of them, not reachable from the step's arguments or the model
+    #: what could not be watched; non-empty means "could not verify"
+    blind_spots: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
         return not self.changes
 
+    @property
+    def verified(self) -> bool:
+        return not self.blind_spots
 
-# ------------------------------------------------------------------------------- state discovery
+    @property
+    def ok(self) -> bool:
+        return self.clean and self.verified
 
+    def summary_lines(self) -> list[str]:
+        lines = [f"unexplained {c.describe()}" for c in self.changes]
+        if self.blind_spots:
+            lines.append("dynamic audit could NOT verify every state change: "
+                         + "; ".join(self.blind_spots))
+        elif not self.changes:
+            lines.append(
+                f"dynamic audit: every state change in {self.steps} step(s) is explained "
+                f"({self.watched} storages, {self.watched_bytes} B watched, {self.unreachable} of "
+                f"them not reachable from the step's arguments or the model)")
+        return lines
 
-def _walk(obj: object, path: str, out: dict[int, tuple[str, torch.Tensor]], depth: int, seen: set[int]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.setdefault(id(obj), (path, obj))
-        return
-    if depth > 4 or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
-        return
-    seen.add(id(obj))
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _walk(v, f"{path}[{k!r}]", out, depth + 1, seen)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _walk(v, f"{path}[{i}]", out, depth + 1, seen)
-    elif isinstance(obj, torch.nn.Module):
-        return  # modules are covered through named_buffers
-    elif hasattr(obj, "__dict__"):
-        for k, v in vars(obj).items():
-            _walk(v, f"{path}.{k}", out, depth + 1, seen)
-
-
-def step_state(model: Any, inputs: StepInputs) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor a step may persistently change: argument tensors except row inputs, buffers."""
-    found: dict[int, tuple[str, torch.Tensor]] = {}
-    seen: set[int] = set()
-    try:
-        target = model.forward if isinstance(model, torch.nn.Module) else model
-        names = list(inspect.signature(target).parameters)
-    except (TypeError, ValueError):
-        names = []
-    for i, a in enumerate(inputs.args):
-        _walk(a, names[i] if i < len(names) else f"arg{i}", found, 0, seen)
-    for k, v in inputs.kwargs.items():
-        _walk(v, k, found, 0, seen)
-    row_inputs = {id(t) for t, _ in inputs.dynamic}
-    state = [(p, t) for key, (p, t) in found.items() if key not in row_inputs]
-    if isinstance(model, torch.nn.Module):
-        state += [(f"buffer {n}", b) for n, b in model.named_buffers()]
-    return state
+    def to_dict(self) -> dict:
+        return {
+            "unexplained_changes": [
+                {"state": c.state, "step": c.step, "unit": c.unit, "rows": c.rows} for c in self.changes
+            ],
+            "verified": self.verified,
+            "blind_spots": list(self.blind_spots),
+            "watched_storages": self.watched,
+            "watched_bytes": self.watched_bytes,
+        }
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -106,10 +112,30 @@ def _element_ids(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------- recording
 
 
+def _script_objects(gm: torch.fx.GraphModule) -> list[str]:
+    """TorchBind objects the graph passes around: state they hold lives in C++, out of sight."""
+    found = []
+    for node in gm.graph.nodes:
+        value = node_value(node) if node.op in ("placeholder", "get_attr") else None
+        real = value.real_obj if isinstance(value, FakeScriptObject) else value
+        if isinstance(real, torch.ScriptObject):
+            found.append(f"TorchBind object {node.target} ({real._type().qualified_name()}) holds "
+                         f"state in C++, which no snapshot sees")
+    return found
+
+
 @dataclass
 class _Observed:
-    tensor: torch.Tensor  # the written tensor as the op received it
-    ids: torch.Tensor  # explained element ids (tensor's dtype units)
+    key: StorageWeakRef  # the storage written
+    itemsize: int  # unit of ``ids``
+    ids: torch.Tensor | None  # explained element ids; None: the whole storage
+
+
+def _observe(record: StateWrite, written: torch.Tensor, env: dict) -> list[_Observed]:
+    if not is_plain_tensor(written):  # a subclass: reported statically, its storages wholly
+        return [_Observed(key, 1, None) for key in storage_keys(written) or ()]
+    key = StorageWeakRef(written.untyped_storage())
+    return [_Observed(key, written.element_size(), _explained_ids(record, written, env))]
 
 
 def _explained_ids(record: StateWrite, written: torch.Tensor, env: dict) -> torch.Tensor:
@@ -153,15 +179,16 @@ class _RecordingBackend:
         self.writes: list[StateWrite] = []
         self.observed: list[_Observed] = []
         self.num_graphs = 0
+        self.blind_spots: list[str] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         records = find_state_writes(gm)
         self.writes += records
         self.num_graphs += 1
+        self.blind_spots += _script_objects(gm)
         by_node: dict[torch.fx.Node, list[StateWrite]] = {}
         for r in records:
-            # an undeclared handle explains nothing: what it writes is exactly the question
-            if r.written_node is not None and r.reason is not Uncovered.UNDECLARED_CACHE_HANDLE:
+            if r.written_node is not None and r.reason not in _UNEXPLAINING:
                 by_node.setdefault(r.node, []).append(r)
         observed = self.observed
 
@@ -169,8 +196,7 @@ class _RecordingBackend:
             def run_node(self, n: torch.fx.Node) -> Any:
                 result = super().run_node(n)
                 for r in by_node.get(n, ()):
-                    written = self.env[r.written_node]
-                    observed.append(_Observed(written, _explained_ids(r, written, self.env)))
+                    observed.extend(_observe(r, self.env[r.written_node], self.env))
                 return result
 
         def run(*args: Any) -> Any:
@@ -191,38 +217,82 @@ def _rows_of(t: torch.Tensor, element_mask: torch.Tensor) -> tuple[str, list[int
     return "element", element_mask.reshape(-1).nonzero().reshape(-1).tolist()
 
 
-def dynamic_audit(model: Callable[..., Any], inputs: StepInputs, steps: int = 2) -> DynamicReport:
-    """Run ``steps`` compiled steps of ``model`` on ``inputs`` and report unexplained state changes."""
+def _unexplained(watched: Watched, before: torch.Tensor, observed: list[_Observed],
+                 step: int) -> UnexplainedChange | None:
+    t = watched.tensor
+    changed = _storage_bytes(t) != before
+    if not bool(changed.any()):
+        return None
+    explained = torch.zeros_like(changed)
+    for obs in observed:
+        if obs.key != watched.key:
+            continue
+        if obs.ids is None:
+            explained[:] = True
+        else:
+            explained.view(-1, obs.itemsize)[obs.ids] = True
+    unexplained = changed & ~explained
+    per_element = unexplained.view(-1, t.element_size()).any(-1)[_element_ids(t)] if t.numel() else None
+    if per_element is None or not bool(per_element.any()):
+        if not bool(unexplained.any()):
+            return None
+        return UnexplainedChange(watched.label(), step, "byte", unexplained.nonzero().reshape(-1).tolist())
+    unit, rows = _rows_of(t, per_element)
+    return UnexplainedChange(watched.label(), step, unit, rows)
+
+
+def _created_since(watched: set[StorageWeakRef], inputs: StepInputs) -> list[str]:
+    """Names of live storages that were not watched in the last step (allocated during it)."""
+    row_inputs = {StorageWeakRef(t.untyped_storage()) for t, _ in inputs.dynamic}
+    fresh = {}
+    for t in live_tensors():
+        for key in storage_keys(t) or ():
+            if key not in watched and key not in row_inputs and t.numel():
+                fresh.setdefault(key, t)
+    return [holder_name(t, ignore=(fresh,)) for t in fresh.values()]
+
+
+def _run_step(compiled: Callable[..., Any], backend: _RecordingBackend, model: Any, inputs: StepInputs,
+              step: int, max_bytes: int, report: DynamicReport) -> set[StorageWeakRef]:
+    """Snapshot, run one step, record its unexplained changes; the storages it watched."""
+    watch = watch_list(model, inputs, max_bytes)
+    report.blind_spots += [b for b in watch.blind_spots if b not in report.blind_spots]
+    before = [_storage_bytes(w.tensor).clone() for w in watch.storages]
+    backend.observed.clear()
+    with torch.no_grad():
+        compiled(*inputs.args, **inputs.kwargs)
+    for w, old in zip(watch.storages, before):
+        change = _unexplained(w, old, backend.observed, step)
+        if change is not None:
+            report.changes.append(change)
+    report.watched, report.watched_bytes = len(watch.storages), watch.nbytes
+    report.unreachable = sum(w.name is None for w in watch.storages)
+    return {w.key for w in watch.storages}
+
+
+def dynamic_audit(model: Callable[..., Any], inputs: StepInputs, steps: int = 2,
+                  max_bytes: int = DEFAULT_MAX_BYTES) -> DynamicReport:
+    """Run ``steps`` compiled steps of ``model`` on ``inputs`` and report unexplained state changes.
+
+    Before each step every tensor that could be state is found again (state created by a step is
+    watched from the next one) and snapshotted, up to ``max_bytes``.
+    """
     backend = _RecordingBackend()
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    state = step_state(model, inputs)
-    report = DynamicReport()
+    report = DynamicReport(steps=steps)
     try:
+        watched_keys: set[StorageWeakRef] = set()
         for step in range(steps):
-            before = [_storage_bytes(t).clone() for _, t in state]
-            backend.observed.clear()
-            with torch.no_grad():
-                compiled(*inputs.args, **inputs.kwargs)
-            for (name, t), old in zip(state, before):
-                storage = _storage_bytes(t)
-                changed = storage != old
-                if not bool(changed.any()):
-                    continue
-                explained = torch.zeros_like(changed)
-                storage_key = id(t.untyped_storage())
-                for obs in backend.observed:
-                    if id(obs.tensor.untyped_storage()) != storage_key:
-                        continue
-                    isz = obs.tensor.element_size()
-                    explained.view(-1, isz)[obs.ids] = True
-                unexplained = changed & ~explained
-                isz = t.element_size()
-                per_element = unexplained.view(-1, isz).any(-1)[_element_ids(t)]
-                if bool(per_element.any()):
-                    unit, rows = _rows_of(t, per_element)
-                    report.changes.append(UnexplainedChange(name, step, unit, rows))
+            watched_keys = _run_step(compiled, backend, model, inputs, step, max_bytes, report)
+        backend.observed.clear()  # its index tensors are the audit's own, not the step's
+        created = _created_since(watched_keys, inputs)
+        if created:
+            report.blind_spots.append(
+                f"{len(created)} tensor(s) created during the last step are still alive (state "
+                f"allocated by the step?) and were not checked: {', '.join(created[:5])}; run more steps")
     finally:
         torch._dynamo.reset()
+    report.blind_spots += list(dict.fromkeys(backend.blind_spots))
     report.writes = backend.writes
     report.num_graphs = backend.num_graphs
     return report

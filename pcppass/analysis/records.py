@@ -4,8 +4,22 @@ Produced by :func:`pcppass.analysis.find_state_writes`, consumed by classificati
 and the rewrite. One :class:`StateWrite` per (mutating node, written state tensor): a fused op that
 writes two caches yields two records sharing ``node``.
 
-A record whose ``state_node`` is None describes an op that declares no write but takes a cache-like
-handle (a layer-name string): the analysis cannot see which tensor it writes.
+Handle records (the contract context-addressed patterns build on; keep this shape stable). An op
+that takes a cache handle (an opaque script object such as vLLM's ``LayerName``, or a string that
+names a layer; see :mod:`pcppass.analysis.handles`) yields one record per handle argument, whatever
+it returns and whatever else it declares:
+
+* ``node``: the call; ``op``: its qualified name (``"vllm::unified_kv_cache_update"``);
+* ``state_node`` None, ``written_node`` None: no tensor of the graph holds that state;
+* ``state``: the handle's value (``"model.layers.0.self_attn.attn"``);
+* ``arg``: the handle's schema argument name (``"layer_name"``);
+* ``state_kind``: :attr:`StateKind.HANDLE`; ``bound_args``: every argument by schema name (the
+  handle as the graph holds it: a placeholder node or a constant);
+* ``reason``: :attr:`Uncovered.UNDECLARED_CACHE_HANDLE` until a pattern classifies it.
+
+Other records with ``state_node`` None: a token-only op that takes no handle and no state
+(:attr:`Uncovered.SIDE_EFFECT_ONLY`, ``state`` "<unknown>"), and a write into a tensor whose storage
+cannot be read (:attr:`Uncovered.UNKNOWN_STORAGE`).
 """
 
 from __future__ import annotations
@@ -26,8 +40,14 @@ class Uncovered(str, enum.Enum):
     NON_ROW_STATE = "non-row state"
     NON_INVERTIBLE_VIEW = "view the rewrite cannot invert"
     UNDECLARED_CACHE_HANDLE = "op declares no mutation but takes a cache-like handle"
+    SIDE_EFFECT_ONLY = "op declares no mutation and runs only for a side effect"
+    OPAQUE_CALL = "opaque call receives state"
     USER_TRITON_KERNEL = "user Triton kernel writes state"
     WRITE_IN_HIGHER_ORDER_OP = "write inside a higher-order op region"
+    ROW_BYTES_MISMATCH = "layout bytes per row differ from the bytes the op writes per row"
+    SLOT_DTYPE = "slot mapping is not int64"
+    TENSOR_SUBCLASS_STATE = "state is a tensor subclass"
+    UNKNOWN_STORAGE = "written tensor's storage is unknown"
 
 
 class StateKind(str, enum.Enum):
@@ -39,6 +59,7 @@ class StateKind(str, enum.Enum):
     GLOBAL = "global"  # a module-level tensor the traced code reads
     ATTRIBUTE = "attribute"  # a get_attr constant of the graph module
     UNKNOWN = "unknown"  # a placeholder without source information (AOT / make_fx graphs)
+    HANDLE = "handle"  # state addressed through a cache handle argument (a layer name)
 
 
 @dataclass(frozen=True)
@@ -79,6 +100,9 @@ class StateWrite:
     family: str | None = None
     #: the call's arguments by schema name (nodes or constants): slot mappings, row inputs, dims
     bound_args: dict[str, object] = field(default_factory=dict)
+    #: bytes per cache row the op writes, from the written value's shape and dtype (an int, or the
+    #: symbolic expression); None where the value is not known (no declared values, a scalar fill)
+    written_bytes_per_row: object = None
 
     @property
     def covered(self) -> bool:

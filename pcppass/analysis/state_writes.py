@@ -46,11 +46,13 @@ import torch
 import torch.fx
 
 from pcppass.analysis.defuse import DefUse
+from pcppass.analysis.handles import Handle, call_handles, value_handles
+from pcppass.analysis.opaque import OpaqueCall, opaque_call
 from pcppass.analysis.records import StateKind, StateWrite, Uncovered
 from pcppass.analysis.schema import (
     SETITEM_ARGS, aten_overload, bind_schema, resolve_overload, written_args,
 )
-from pcppass.analysis.views import AliasMap, fake_value, node_value, view_info
+from pcppass.analysis.views import AliasMap, fake_value, node_value, storage_keys, view_info
 
 #: Operator namespaces that are torch's own (never a user cache-write op).
 TORCH_NAMESPACES = frozenset({
@@ -286,7 +288,8 @@ def _out_sites(node: torch.fx.Node, name: str) -> list[WriteSite]:
 # ----------------------------------------------------------------------------- handles
 
 
-def _declares_no_write_custom_op(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+def _custom_op(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+    """The overload of a call to an operator outside torch's own namespaces; None otherwise."""
     if node.op != "call_function" or not isinstance(
         node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
     ):
@@ -294,27 +297,27 @@ def _declares_no_write_custom_op(node: torch.fx.Node) -> torch._ops.OpOverload |
     overload = resolve_overload(node.target, node.args, node.kwargs)
     if overload is None or _is_torch_namespace(overload._schema.name):
         return None
-    return None if written_args(overload._schema) else overload
+    return overload
+
+
+def _declares_no_write_custom_op(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+    overload = _custom_op(node)
+    return None if overload is None or written_args(overload._schema) else overload
 
 
 def _only_a_dependency_token(node: torch.fx.Node, defuse: DefUse) -> bool:
-    """The op's result carries no data: unused, empty, or only fed to other opaque ops."""
+    """The op's result carries no data: unused, or empty (a dependency token).
+
+    A non-empty result is data even when only other opaque ops consume it: vLLM's DeepSeek-V2
+    graph feeds ``vllm_ir::rms_norm``'s output (the normalised latent) only to the MLA KV-update
+    and attention ops."""
     value = node_value(node)
     if value is None or not defuse.users(node):
         return True
     values = value if isinstance(value, (list, tuple)) else [value]
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    if all(isinstance(v, torch.Tensor) and statically_known_true(v.numel() == 0) for v in values):
-        return True
-    return all(
-        _declares_no_write_custom_op(u) is not None or (
-            u.op == "call_function"
-            and isinstance(u.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
-            and not _is_torch_namespace(qualified_name(u.target))
-        )
-        for u in defuse.users(node)
-    )
+    return all(isinstance(v, torch.Tensor) and statically_known_true(v.numel() == 0) for v in values)
 
 
 def qualified_name(target: object) -> str:
@@ -323,34 +326,48 @@ def qualified_name(target: object) -> str:
     return target._qualified_op_name
 
 
+def _row_input(state: StateTensor) -> bool:
+    """A per-step input sized by the symbolic row count (token ids, slot mappings): not persistent."""
+    return any(isinstance(d, torch.SymInt) for d in node_value(state.node).shape)
+
+
 def _cache_like(state: StateTensor) -> bool:
-    """Weights and per-step row inputs (sized by the symbolic row count) are not cache handles."""
-    if state.kind is StateKind.PARAMETER:
-        return False
-    value = node_value(state.node)
-    return not any(isinstance(d, torch.SymInt) for d in value.shape)
+    """Weights and per-step row inputs are not cache handles."""
+    return state.kind is not StateKind.PARAMETER and not _row_input(state)
+
+
+def _handle_record(node: torch.fx.Node, op: str, handle: Handle, declared: list[str],
+                   bound: dict[str, object]) -> StateWrite:
+    source = source_location(node)
+    writes = f"declares writes only to {', '.join(declared)}" if declared else "declares no mutation"
+    return StateWrite(
+        node=node, op=op, state=handle.name, state_node=None, arg=handle.arg, source=source,
+        reason=Uncovered.UNDECLARED_CACHE_HANDLE, state_kind=StateKind.HANDLE, bound_args=bound,
+        detail=(f"{op} at {source} {writes} and takes the cache handle {handle.arg}="
+                f"{handle.name!r}: the state it reaches through that handle is not in the graph, so "
+                f"what it writes there cannot be seen; a context-addressed pattern must cover it "
+                f"(or declare that it only reads), or run `pcppass audit --dynamic`"),
+    )
 
 
 def _handle_records(
     node: torch.fx.Node, defuse: DefUse, aliases: AliasMap, names: dict[torch.fx.Node, StateTensor]
 ) -> list[StateWrite]:
-    overload = _declares_no_write_custom_op(node)
-    if overload is None or not _only_a_dependency_token(node, defuse):
+    """Records for a custom op that may write state the graph cannot see.
+
+    Every handle the op takes is one record, whatever the op returns or declares. An op that
+    declares no write, takes no handle and returns only a dependency token is reported through each
+    cache-like state tensor it takes, or, taking none, as a call that exists only for a side effect.
+    """
+    overload = _custom_op(node)
+    if overload is None:
         return []
+    op = overload._schema.name
     bound = bind_schema(overload._schema, node.args, node.kwargs) or {}
-    records = []
-    for arg, value in bound.items():
-        if isinstance(value, str):
-            records.append(StateWrite(
-                node=node, op=overload._schema.name, state=f"handle {arg}={value!r}",
-                state_node=None, arg=arg, source=source_location(node),
-                reason=Uncovered.UNDECLARED_CACHE_HANDLE,
-                detail=(f"{overload._schema.name} declares no mutation, its result is only a "
-                        f"dependency token, and it takes the handle {arg}={value!r}: it may write "
-                        f"state fetched by that handle (run `pcppass audit --dynamic` to check)"),
-            ))
-    if records:
-        return records  # the string handle names the state; row tensors beside it are inputs
+    declared = written_args(overload._schema)
+    records = [_handle_record(node, op, h, declared, bound) for h in call_handles(overload._schema, bound)]
+    if records or declared or not _only_a_dependency_token(node, defuse):
+        return records
     for arg, value in bound.items():
         for label, tensor in _tensor_nodes(value, arg):
             alias = aliases.alias_of(tensor)
@@ -358,13 +375,79 @@ def _handle_records(
                 continue
             state = names[alias.base]
             records.append(StateWrite(
-                node=node, op=overload._schema.name, state=state.name, state_node=alias.base,
+                node=node, op=op, state=state.name, state_node=alias.base,
                 arg=label, view_chain=list(alias.chain), source=source_location(node),
                 reason=Uncovered.UNDECLARED_CACHE_HANDLE, written_node=tensor,
-                view=view_info(alias, tensor), state_kind=state.kind,
-                detail=(f"{overload._schema.name} declares no mutation and its result is only a "
+                view=view_info(alias, tensor), state_kind=state.kind, bound_args=bound,
+                detail=(f"{op} declares no mutation and its result is only a "
                         f"dependency token, yet it takes the state tensor {state.name} as {label}"),
             ))
+    if not records:
+        source = source_location(node)
+        records.append(StateWrite(
+            node=node, op=op, state="<unknown>", state_node=None, arg=None, source=source,
+            reason=Uncovered.SIDE_EFFECT_ONLY, state_kind=StateKind.UNKNOWN, bound_args=bound,
+            detail=(f"{op} at {source} declares no mutation and its result carries no data (unused, "
+                    f"empty, or only a dependency of other opaque ops): it runs for a side effect "
+                    f"the graph cannot see, possibly a write into state"),
+        ))
+    return records
+
+
+# ----------------------------------------------------------------------------- opaque calls
+
+
+def _labelled_inputs(node: torch.fx.Node) -> list[tuple[str, object]]:
+    """A call's arguments flattened through lists, tuples and dicts, each with a label."""
+    out: list[tuple[str, object]] = []
+
+    def walk(label: str, value: object) -> None:
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{label}[{i}]", v)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{label}[{k!r}]", v)
+        else:
+            out.append((label, value))
+
+    for i, arg in enumerate(node.args):
+        walk(f"arg{i}", arg)
+    for key, arg in node.kwargs.items():
+        walk(key, arg)
+    return out
+
+
+def _opaque_detail(call: OpaqueCall, what: str, label: str, source: str) -> str:
+    return (f"{call.op} ({call.kind}) at {source} receives {what} as {label}; the graph cannot see "
+            f"what it does with it, so it may write it: make the write visible (a custom op that "
+            f"declares it in mutates_args, or in-place tensor ops traced into the graph)")
+
+
+def _opaque_records(
+    node: torch.fx.Node, call: OpaqueCall, aliases: AliasMap, names: dict[torch.fx.Node, StateTensor]
+) -> list[StateWrite]:
+    """One uncovered record per state alias and per cache handle an opaque call receives."""
+    source = source_location(node)
+    inputs = _labelled_inputs(node)
+    records = []
+    for label, value in inputs:
+        alias = aliases.alias_of(value)
+        if alias is None or _row_input(names[alias.base]):
+            continue
+        state = names[alias.base]
+        records.append(StateWrite(
+            node=node, op=call.op, state=state.name, state_node=alias.base, arg=label,
+            view_chain=list(alias.chain), source=source, written_node=value,
+            view=view_info(alias, value), state_kind=state.kind, reason=Uncovered.OPAQUE_CALL,
+            detail=_opaque_detail(call, f"the state {state.name}", label, source),
+        ))
+    for handle in value_handles(inputs):
+        records.append(StateWrite(
+            node=node, op=call.op, state=handle.name, state_node=None, arg=handle.arg, source=source,
+            state_kind=StateKind.HANDLE, reason=Uncovered.OPAQUE_CALL,
+            detail=_opaque_detail(call, f"the cache handle {handle.name!r}", handle.arg, source),
+        ))
     return records
 
 
@@ -492,6 +575,21 @@ def _region_record(
 
 # ----------------------------------------------------------------------------- entry point
 
+
+def _unknown_storage_record(site: WriteSite) -> StateWrite:
+    """A write into a tensor whose storage cannot be read: it may be state, so it is reported."""
+    value = node_value(site.tensor)
+    source = source_location(site.node)
+    return StateWrite(
+        node=site.node, op=site.op, state=f"<unknown storage of {site.tensor.name}>", state_node=None,
+        arg=site.arg, source=source, written_node=site.tensor, family=site.family,
+        bound_args=site.bound_args, reason=Uncovered.UNKNOWN_STORAGE,
+        detail=(f"{site.op} at {source} writes {site.tensor.name} ({type(value).__qualname__}, layout "
+                f"{getattr(value, 'layout', '?')}), whose storage cannot be read: the analysis cannot "
+                f"tell whether it is persistent state, so it is not taken for a temporary"),
+    )
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -529,6 +627,8 @@ def find_state_writes(gm: torch.fx.GraphModule, *, classify: bool = True) -> lis
         for site in sites:
             alias = aliases.alias_of(site.tensor)
             if alias is None:
+                if storage_keys(node_value(site.tensor)) == frozenset():
+                    records.append(_unknown_storage_record(site))
                 continue  # a temporary created inside the graph
             state = names[alias.base]
             records.append(StateWrite(
@@ -537,10 +637,15 @@ def find_state_writes(gm: torch.fx.GraphModule, *, classify: bool = True) -> lis
                 written_node=site.tensor, view=view_info(alias, site.tensor),
                 state_kind=state.kind, family=site.family, bound_args=site.bound_args,
             ))
+        has_body = False
         if _is_higher_order(node):
+            has_body = bool(_region_bodies(node))
             records += _region_writes(node, aliases, reach, node, aliases, (_hop_name(node),))
-        elif not sites:
+        else:
             records += _handle_records(node, defuse, aliases, names)
+        call = None if sites else opaque_call(node, has_body)
+        if call is not None:
+            records += _opaque_records(node, call, aliases, names)
     if classify:
         from pcppass.analysis.classify import classify_writes
 

@@ -6,6 +6,13 @@ when its value shares that placeholder's storage. This is the ground truth: it s
 ``reshape``/``flatten``/``contiguous`` (views only when the input allows), and it never mistakes
 an advanced-indexing ``getitem`` (a copy) for a view.
 
+Storage identity is a :class:`~torch.multiprocessing.reductions.StorageWeakRef` (the key torch's
+own re-inplacing pass uses), never the ``id`` of a Python storage object. A tensor subclass that
+wraps other tensors (``__tensor_flatten__``: fp8 wrappers, DTensor, ``TwoTensor``) is identified by
+the storages of its inner tensors, since its own wrapper storage is not shared by its views. A tensor
+whose storage cannot be read at all is never taken for a temporary: it aliases whatever state it is
+computed from (fail closed).
+
 The chain of nodes from the base placeholder to an alias is then recovered structurally through
 the def-use graph and checked against the table of known view ops below. A chain through an op
 that is not a known view (the alias is real but we do not know how the op maps elements) or a view
@@ -23,7 +30,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pcppass.analysis.defuse import DefUse
 from pcppass.analysis.records import ViewInfo
@@ -36,6 +46,7 @@ VIEW_OPS: frozenset[str] = frozenset({
     "split_with_sizes", "chunk", "tensor_split", "movedim", "moveaxis", "swapaxes", "swapdims",
     "diagonal", "unfold", "detach", "alias", "view_as_real", "view_as_complex", "real", "imag",
     "contiguous", "squeeze_", "unsqueeze_", "transpose_", "t_",
+    "_get_data_attr",  # ``tensor.data``: the same storage, sizes and strides
 })
 
 #: Ops among VIEW_OPS that may map several view elements onto one state element (or the reverse).
@@ -79,13 +90,33 @@ def op_name(node: torch.fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _storage_key(value: object) -> int | None:
+#: :func:`storage_keys` of a tensor whose storage cannot be read (sparse, opaque backends).
+UNKNOWN_STORAGE: frozenset = frozenset()
+
+
+def storage_keys(value: object) -> frozenset | None:
+    """The storages a tensor's bytes live in; None for a non-tensor.
+
+    A plain (or fake) tensor has one; a wrapper subclass the union of its inner tensors';
+    :data:`UNKNOWN_STORAGE` (empty) when none can be read.
+    """
     if not isinstance(value, torch.Tensor):
         return None
+    if is_traceable_wrapper_subclass(value):
+        names, _ = value.__tensor_flatten__()
+        inner = [storage_keys(getattr(value, name)) for name in names]
+        return frozenset().union(*(k for k in inner if k))
     try:
-        return id(value.untyped_storage())
-    except (RuntimeError, NotImplementedError):  # sparse / opaque tensors have no storage
-        return None
+        return frozenset({StorageWeakRef(value.untyped_storage())})
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse / opaque tensors have no storage
+        return UNKNOWN_STORAGE
+
+
+def is_plain_tensor(value: object) -> bool:
+    """A tensor whose bytes are its own storage (not a wrapper of other tensors)."""
+    return isinstance(value, torch.Tensor) and not is_traceable_wrapper_subclass(value) and (
+        type(value) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) or isinstance(value, FakeTensor)
+    )
 
 
 def _tensor_values(value: object) -> list[torch.Tensor]:
@@ -108,26 +139,22 @@ class AliasMap:
     """For every node of ``graph``: the state placeholder it aliases, if any, and the chain to it.
 
     ``state_nodes`` are the persistent-state placeholders (and ``get_attr`` tensors). Nodes are
-    visited in graph order over the def-use graph, so a chain is found in one pass: an aliasing node's predecessor is the
-    first of its inputs aliasing the same base.
+    visited in graph order over the def-use graph, so a chain is found in one pass: an aliasing
+    node's predecessor is the first of its inputs aliasing the same base. A node whose storage
+    cannot be read aliases the state of its first input that aliases one.
     """
 
     def __init__(self, defuse: DefUse, state_nodes: list[torch.fx.Node]):
-        self._by_storage: dict[int, torch.fx.Node] = {}
+        self._by_storage: dict[StorageWeakRef, torch.fx.Node] = {}
         self._alias: dict[torch.fx.Node, Alias] = {}
         for s in state_nodes:
-            key = _storage_key(node_value(s))
-            if key is not None:
+            for key in storage_keys(node_value(s)) or ():
                 self._by_storage.setdefault(key, s)
             self._alias[s] = Alias(s, [s])
         for node in defuse.nodes():
             if node in self._alias or node.op not in ("call_function", "call_method"):
                 continue
-            bases = {
-                self._by_storage[k]
-                for k in map(_storage_key, _tensor_values(node_value(node)))
-                if k in self._by_storage
-            }
+            bases = self._bases_of(node, defuse)
             if len(bases) != 1:
                 continue  # fresh tensor (a temporary), or a tuple over several states
             base = bases.pop()
@@ -138,6 +165,17 @@ class AliasMap:
             chain = (self._alias[parent].chain if parent is not None else [base]) + [node]
             self._alias[node] = Alias(base, chain)
 
+    def _bases_of(self, node: torch.fx.Node, defuse: DefUse) -> set[torch.fx.Node]:
+        bases: set[torch.fx.Node] = set()
+        for value in _tensor_values(node_value(node)):
+            keys = storage_keys(value)
+            if not keys:  # storage unknown: never a temporary
+                inputs = [self._alias[a].base for a in defuse.inputs(node) if a in self._alias]
+                bases.update(inputs[:1])
+            else:
+                bases.update(self._by_storage[k] for k in keys if k in self._by_storage)
+        return bases
+
     def alias_of(self, node: object) -> Alias | None:
         if not isinstance(node, torch.fx.Node):
             return None
@@ -145,13 +183,26 @@ class AliasMap:
 
     def base_of_value(self, value: object) -> torch.fx.Node | None:
         """The state placeholder whose storage the fake tensor ``value`` shares, if any."""
-        key = _storage_key(value)
-        return self._by_storage.get(key) if key is not None else None
+        for key in storage_keys(value) or ():
+            if key in self._by_storage:
+                return self._by_storage[key]
+        return None
+
+
+#: In-place Python operators (``x += y`` -> ``operator.iadd``) and their dunders: they return ``x``.
+INPLACE_OPERATOR_NAMES = frozenset(
+    name
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
+               "rshift", "matmul")
+    for name in (f"i{op}", f"__i{op}__")
+)
 
 
 def _same_tensor_step(node: torch.fx.Node) -> bool:
     """In-place ops return their (mutated) first argument: not a view step, the same tensor."""
     name = op_name(node)
+    if name in INPLACE_OPERATOR_NAMES:
+        return True
     return name.endswith("_") and not name.startswith("__") and name not in VIEW_OPS
 
 

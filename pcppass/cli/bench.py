@@ -7,7 +7,7 @@ Spawns P processes (NCCL, one GPU each), builds each full-width model, fills pag
 times one decode step per variant, in the same processes and on the same caches:
 
 * ``replicated``: every rank runs all ``N * P`` rows; no sync (decode as vLLM runs it with PCP);
-* ``immediate``: ``N`` rows per rank through :class:`pcppass.backend.PcpBackend`, one sync
+* ``immediate``: ``N`` rows per rank through :class:`pcppass.compiler.PcpBackend`, one sync
   collective right after every write site;
 * ``deferred``: the same with pcppass's single packed collective at the end of the step;
 * ``deferred_checked``: ``deferred`` with every run-time check on (input validation, header
@@ -257,7 +257,7 @@ def _configure_dynamo() -> None:
 
 
 def _compiled_variants(model: torch.nn.Module, name: str, variants: tuple[str, ...]) -> dict[str, Any]:
-    from pcppass.backend import PcpBackend, SyncChecks
+    from pcppass.compiler import PcpBackend, SyncChecks
 
     # compile_fingerprint off: the graph text hashed for it holds each rank's device index
     # (device(type='cuda', index=<rank>)), so on several GPUs the ranks' fingerprints differ.

@@ -16,7 +16,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from pcppass.runtime.verify import RunConfig, Verification, compare, rank_main, reference_run
+from pcppass.cli.run_driver import RunConfig, Verification, compare, rank_main, reference_run
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -38,26 +38,42 @@ One ``sync_scatter_rows_all`` writes every cache of the collective (a device imp
 all their rows in one launch); a re-run site splits the scatters so that it sees earlier sites'
 rows synced.
 
+How one collective is emitted, step by step (:func:`emit_collective`):
+
+1. :func:`collect_segments`: what moves, as :class:`Segments`: one :class:`CacheRows` segment per
+   cache written (cache, slots, layout) and one payload per distinct tensor a replica needs
+   (slot mappings, re-run inputs; under the deferred schedule a snapshot taken right after the
+   site);
+2. the :class:`Transport` (one object per collective) emits the nodes that move the segments
+   between ranks (:meth:`Transport.exchange`);
+3. in graph order, the transport applies the other ranks' cache rows
+   (:meth:`Transport.apply_rows`), and every re-run site calls its op again on every rank's
+   inputs (:func:`emit_rerun`).
+
 ``fp`` is the graph fingerprint (:func:`graph_fingerprint`): a hash of the rewritten graph and the
 plan, carried in every header so ranks that traced different graphs fail loudly.
 """
 
 from __future__ import annotations
 
+import abc
 import hashlib
+import operator
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.fx
 
 import pcppass.kernels.rows  # noqa: F401  (registers the pcppass::sync_* ops)
+from pcppass.analysis.views import node_value
 from pcppass.kernels.rows import encode_layout
-from pcppass.rewrite.plan import PlanError, SyncPlan, SyncSite
-from pcppass.spec import Recipe
+from pcppass.rewrite.plan import CacheRef, ContextRef, PlanError, SyncPlan, SyncSite
+from pcppass.spec import Recipe, ResolvedLayout
 
 Schedule = Literal["deferred", "immediate"]
+SCHEDULES: tuple[Schedule, ...] = ("deferred", "immediate")
 
 _c10d = torch.ops._c10d_functional
 _SYNC = torch.ops.pcppass
@@ -76,117 +92,414 @@ class SyncRewrite:
     nodes: list[torch.fx.Node] = field(default_factory=list)
 
 
-class _CollectiveBuilder:
-    """Emits one packed all-gather that syncs ``sites``, at the graph's current insert point."""
+# ---------------------------------------------------------------------------------------------
+# Emitting nodes
+# ---------------------------------------------------------------------------------------------
 
-    def __init__(self, graph: torch.fx.Graph, group_name: str, world_size: int,
-                 verify_header: bool, check_conflicts: bool):
+
+class GraphEmitter:
+    """Creates the sync nodes at the graph's current insert point and remembers them (and which
+    argument of which node receives the fingerprint once the rewritten graph is hashed)."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
         self.graph = graph
-        self.group_name = group_name
-        self.world_size = world_size
-        self.verify_header = verify_header
-        self.check_conflicts = check_conflicts
         self.nodes: list[torch.fx.Node] = []
+        self._fingerprint_args: list[tuple[torch.fx.Node, int]] = []
 
-    def _call(self, target, args, kwargs=None) -> torch.fx.Node:
-        node = self.graph.call_function(target, tuple(args), kwargs or {})
+    def call(self, target: Callable, *args: Any, kwargs: dict[str, Any] | None = None,
+             fingerprint_at: int | None = None) -> torch.fx.Node:
+        """``target(*args, **kwargs)`` as a new node; ``fingerprint_at``: the argument that carries
+        the graph fingerprint (emitted as a placeholder, filled in by :meth:`set_fingerprint`)."""
+        node = self.graph.call_function(target, args, kwargs or {})
         self.nodes.append(node)
+        if fingerprint_at is not None:
+            self._fingerprint_args.append((node, fingerprint_at))
         return node
 
-    def emit(self, sites: list[SyncSite], *, snapshot: bool = False) -> None:
-        """Sync ``sites`` at the current insert point. With ``snapshot`` (the deferred schedule,
-        where the sync runs long after the sites), every payload the graph computed is copied
-        right after its site: a later in-place update of that tensor (``x.add_(...)``) must not
-        change what the other replicas re-run on or which slots they fill. Graph inputs are
-        state-checked by the analysis (a write to one is reported) and are sent once."""
-        caches, cache_slots, layouts = [], [], []
-        payloads: list[torch.fx.Node] = []
-        payload_index: dict[tuple[torch.fx.Node, int], int] = {}
-        copy_targets = []  # (site, cache sync, rows segment, payload key of its slots)
-        snapshots: dict[tuple[torch.fx.Node, torch.fx.Node], torch.fx.Node] = {}
+    def set_fingerprint(self, fingerprint: str) -> None:
+        for node, position in self._fingerprint_args:
+            args = list(node.args)
+            args[position] = fingerprint
+            node.args = tuple(args)
 
-        def as_sent(site: SyncSite, node: torch.fx.Node) -> torch.fx.Node:
-            if not snapshot or node.op == "placeholder":
-                return node
-            if (site.node, node) not in snapshots:
-                with self.graph.inserting_after(site.node):
-                    snapshots[(site.node, node)] = self._call(torch.clone, (node,))
-            return snapshots[(site.node, node)]
 
-        def payload(node: torch.fx.Node, dim: int = 0) -> tuple[torch.fx.Node, int]:
-            key = (node, dim)
-            if key not in payload_index:
-                rows_first = node if dim == 0 else self._call(torch.movedim, (node, dim, 0))
-                payload_index[key] = len(payloads)
-                payloads.append(rows_first)
-            return key
+# ---------------------------------------------------------------------------------------------
+# Segments: what one collective moves
+# ---------------------------------------------------------------------------------------------
 
-        rerun_args = []  # (site, {name: payload key})
-        for site in sites:
-            if site.recipe is Recipe.COPY_ROWS:
-                for c in site.caches:
-                    slots = as_sent(site, c.slots)
-                    copy_targets.append((site, c, len(caches), payload(slots)))
-                    caches.append(c.cache)
-                    cache_slots.append(slots)
-                    layouts.extend(encode_layout(c.layout))
-            else:
-                rerun_args.append((site, {name: payload(as_sent(site, site.arguments[name]), dim)
-                                          for name, dim in site.row_args.items()}))
-        num_segments = len(caches) + len(payloads)
 
-        def segment(key: tuple[torch.fx.Node, int]) -> int:
-            return len(caches) + payload_index[key]
+@dataclass(frozen=True)
+class CacheRows:
+    """A cache-row segment: the rows ``site`` wrote into ``cache`` at ``slots``.
 
-        packed = self._call(_SYNC.sync_pack.default,
-                            (_FINGERPRINT_PENDING, caches, cache_slots, layouts, payloads))
-        gathered = self._call(_c10d.all_gather_into_tensor.default,
-                              (packed, self.world_size, self.group_name))
-        gathered = self._call(_c10d.wait_tensor.default, (gathered,))
-        index = self._call(_SYNC.sync_read_header.default,
-                           (gathered, self.world_size, _FINGERPRINT_PENDING, num_segments,
-                            self.verify_header))
-        reruns = dict((id(site), args) for site, args in rerun_args)
-        targets_by_site: dict[int, list] = {}
-        for entry in copy_targets:
-            targets_by_site.setdefault(id(entry[0]), []).append(entry)
-        # Graph order: a re-run that reads state written by an earlier site sees it synced. Row
-        # copies between re-runs go out as ONE scatter op (one kernel for all caches).
-        batch: list[tuple] = []
-        for site in sites:
-            for _, c, rows_segment, slots_key in targets_by_site.get(id(site), []):
-                if any(c.cache is other.cache for _, other, _, _ in batch):
-                    self._scatter(batch, gathered, index)  # a cache appears once per op
-                    batch = []
-                batch.append((site, c, rows_segment, segment(slots_key)))
-            if id(site) in reruns:
-                self._scatter(batch, gathered, index)
+    For a context-addressed cache (``cache`` a :class:`ContextRef`) the rows and their slots are
+    read at run time by ``pcppass::sync_context_rows`` and travel as payloads."""
+
+    site: SyncSite
+    state: str
+    cache: CacheRef
+    #: the slot mapping as sent (under the deferred schedule, a snapshot taken after the site)
+    slots: torch.fx.Node
+    layout: ResolvedLayout
+    #: segment numbers in the packed buffer: these rows, and the payload carrying their slots
+    rows_segment: int
+    slots_segment: int
+
+
+@dataclass(frozen=True)
+class RerunInputs:
+    """A re-run site's per-row inputs: schema argument name -> payload segment number."""
+
+    site: SyncSite
+    segments: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Everything one collective moves, in packing order: every cache's rows, then the payloads
+    (rows-first tensors: slot mappings and re-run inputs, each sent once)."""
+
+    sites: tuple[SyncSite, ...]
+    rows: tuple[CacheRows, ...]
+    payloads: tuple[torch.fx.Node, ...]
+    reruns: tuple[RerunInputs, ...]
+    #: what the scatter into context-addressed caches waits for. Deferred schedule: the step's
+    #: outputs, so every op whose result reaches them (vLLM's attention) has read the caches before
+    #: other ranks' rows land, as functionalization orders a graph cache's scatter after its reads.
+    #: Immediate schedule: nothing (the readers wait on the scatter instead).
+    context_after: tuple[torch.fx.Node, ...] = ()
+
+    @property
+    def graph_rows(self) -> tuple[CacheRows, ...]:
+        """The cache-row segments of graph tensors (the first segments of the buffer)."""
+        return tuple(r for r in self.rows if not isinstance(r.cache, ContextRef))
+
+    @property
+    def count(self) -> int:
+        return len(self.graph_rows) + len(self.payloads)
+
+    def payload(self, segment: int) -> torch.fx.Node:
+        """The local tensor of payload segment number ``segment``."""
+        return self.payloads[segment - len(self.graph_rows)]
+
+    def rows_of(self, site: SyncSite) -> list[CacheRows]:
+        return [r for r in self.rows if r.site is site]
+
+    def rerun_of(self, site: SyncSite) -> RerunInputs | None:
+        return next((r for r in self.reruns if r.site is site), None)
+
+
+class _SegmentCollector:
+    """Builds :class:`Segments`; emits the snapshot and ``movedim`` nodes the payloads need."""
+
+    def __init__(self, emit: GraphEmitter, snapshot: bool) -> None:
+        self.emit = emit
+        self.snapshot = snapshot
+        self.payloads: list[torch.fx.Node] = []
+        self._payload_index: dict[tuple[torch.fx.Node, int], int] = {}
+        self._snapshots: dict[tuple[torch.fx.Node, torch.fx.Node], torch.fx.Node] = {}
+
+    def as_sent(self, site: SyncSite, node: torch.fx.Node) -> torch.fx.Node:
+        """``node`` as the site consumed it. Under the deferred schedule the sync runs long after
+        the site, so a tensor the graph computed is copied right after the site: a later in-place
+        update (``x.add_(...)``) must not change what the replicas re-run on or which slots they
+        fill. Graph inputs are state-checked by the analysis (a write to one is reported) and are
+        sent as they are."""
+        if not self.snapshot or node.op == "placeholder":
+            return node
+        key = (site.node, node)
+        if key not in self._snapshots:
+            with self.emit.graph.inserting_after(site.node):
+                self._snapshots[key] = self.emit.call(torch.clone, node)
+        return self._snapshots[key]
+
+    def payload(self, node: torch.fx.Node, dim: int = 0) -> int:
+        """Index among the payloads of ``node`` sent rows first (each tensor and dim sent once)."""
+        key = (node, dim)
+        if key not in self._payload_index:
+            rows_first = node if dim == 0 else self.emit.call(torch.movedim, node, dim, 0)
+            self._payload_index[key] = len(self.payloads)
+            self.payloads.append(rows_first)
+        return self._payload_index[key]
+
+
+def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot: bool) -> Segments:
+    """The segments that sync ``sites``: every cache written by a ``COPY_ROWS`` site (its slots
+    as a payload; a context-addressed cache's rows and slots, read at run time, as two payloads)
+    and every per-row input of a ``RERUN`` site, as payloads."""
+    collector = _SegmentCollector(emit, snapshot)
+    copies: list[tuple[SyncSite, Any, torch.fx.Node, int]] = []  # site, cache sync, slots, payload
+    contexts: list[tuple[SyncSite, Any, torch.fx.Node, int, int]] = []  # ... rows and slots payloads
+    reruns: list[tuple[SyncSite, dict[str, int]]] = []
+    for site in sites:
+        if site.recipe is Recipe.COPY_ROWS:
+            for cache in site.caches:
+                if isinstance(cache.cache, ContextRef):
+                    rows, slots = read_context_rows(emit, site, cache)
+                    contexts.append((site, cache, slots, collector.payload(rows), collector.payload(slots)))
+                    continue
+                slots = collector.as_sent(site, cache.slots)
+                copies.append((site, cache, slots, collector.payload(slots)))
+        else:
+            reruns.append((site, {name: collector.payload(collector.as_sent(site, site.arguments[name]), dim)
+                                  for name, dim in site.row_args.items()}))
+    first_payload = len(copies)
+    rows = tuple(
+        CacheRows(site, cache.state, cache.cache, slots, cache.layout, rows_segment=i,
+                  slots_segment=first_payload + payload)
+        for i, (site, cache, slots, payload) in enumerate(copies)
+    ) + tuple(
+        CacheRows(site, cache.state, cache.cache, slots, cache.layout,
+                  rows_segment=first_payload + rows_payload, slots_segment=first_payload + slots_payload)
+        for site, cache, slots, rows_payload, slots_payload in contexts
+    )
+    return Segments(
+        sites=tuple(sites), rows=rows, payloads=tuple(collector.payloads),
+        reruns=tuple(RerunInputs(site, {name: first_payload + p for name, p in payloads.items()})
+                     for site, payloads in reruns),
+        context_after=_step_outputs(emit.graph) if contexts and snapshot else (),
+    )
+
+
+def _step_outputs(graph: torch.fx.Graph) -> tuple[torch.fx.Node, ...]:
+    """The tensor nodes the graph returns."""
+    (output,) = graph.find_nodes(op="output")
+    return tuple(n for n in _flat_nodes(output.args) if isinstance(node_value(n), torch.Tensor))
+
+
+def _flat_nodes(value: Any) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(value, found.append)
+    return found
+
+
+def read_context_rows(emit: GraphEmitter, site: SyncSite, cache: Any) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """Emit the run-time read of a context-addressed cache's rows and slots, after its write::
+
+        rows, slots = pcppass.sync_context_rows(resolver, handle, cache_role, slots_role, layout,
+                                                 <a row input of the op>, [<the op's result>])
+
+    The op's result (vLLM's update ops return an empty dependency token) orders the read after
+    the write, which the graph cannot see."""
+    ref: ContextRef = cache.cache
+    read = emit.call(_SYNC.sync_context_rows.default, ref.resolver, ref.handle, ref.cache_role,
+                     ref.slots_role, encode_layout(cache.layout), site.rows_like(), [_result_tensor(site)])
+    return emit.call(operator.getitem, read, 0), emit.call(operator.getitem, read, 1)
+
+
+def _result_tensor(site: SyncSite) -> torch.fx.Node:
+    """The site's result as one tensor node (the first tensor of a tuple result)."""
+    value = node_value(site.node)
+    if isinstance(value, torch.Tensor):
+        return site.node
+    if isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            if isinstance(item, torch.Tensor):
+                return _getitem(site.node, i)
+    raise PlanError(f"{site.label}: a context-addressed write must return a tensor (a dependency "
+                    f"token) to order its sync after it; it returns {type(value).__name__}")
+
+
+def _getitem(node: torch.fx.Node, index: int) -> torch.fx.Node:
+    with node.graph.inserting_after(node):
+        return node.graph.call_function(operator.getitem, (node, index))
+
+
+# ---------------------------------------------------------------------------------------------
+# Transports: how the segments move between ranks
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """The ranks a collective syncs, and the run-time checks its nodes perform."""
+
+    group_name: str
+    world_size: int
+    #: every rank's header must carry this graph's fingerprint and segment sizes
+    verify_header: bool = True
+    #: a slot written by two ranks in one step raises
+    check_conflicts: bool = True
+
+
+class Transport(abc.ABC):
+    """Moves one collective's segments between ranks and applies the cache rows (the seam).
+
+    :func:`emit_collective` creates one transport per collective, calls :meth:`exchange` once
+    where the collective runs, then, in graph order, :meth:`apply_rows` for batches of cache-row
+    segments (each cache at most once per batch) and :meth:`every_rank` for each input a re-run
+    needs. Every method emits graph nodes through :attr:`emit`; nothing runs at rewrite time.
+    """
+
+    def __init__(self, emit: GraphEmitter, group: SyncGroup) -> None:
+        self.emit = emit
+        self.group = group
+
+    @abc.abstractmethod
+    def exchange(self, segments: Segments) -> None:
+        """Emit the nodes that move ``segments`` from every rank to every other rank."""
+
+    @abc.abstractmethod
+    def apply_rows(self, rows: Sequence[CacheRows]) -> None:
+        """Emit the nodes that write the other ranks' rows of ``rows`` into this replica."""
+
+    @abc.abstractmethod
+    def every_rank(self, segment: int, mask_own_rows: bool) -> torch.fx.Node:
+        """A node holding payload ``segment`` of every rank, concatenated along dim 0 (rank
+        order); with ``mask_own_rows`` (a re-run's slots) this rank's own rows read -1."""
+
+
+TransportFactory = Callable[[GraphEmitter, SyncGroup], Transport]
+
+
+def _labels(rows: Sequence[CacheRows]) -> str:
+    return "\n".join(r.site.label.replace("\n", " ") for r in rows)
+
+
+class AllGatherTransport(Transport):
+    """pack -> ``all_gather_into_tensor`` + ``wait_tensor`` -> read header -> batched scatter::
+
+        packed   = pcppass.sync_pack(fp, caches, slots, layouts, payloads)
+        gathered = wait_tensor(all_gather_into_tensor(packed, world, group))
+        index    = pcppass.sync_read_header(gathered, world, fp, n_segments, verify_header)
+        pcppass.sync_scatter_rows_all(caches, gathered, index, rows_segs, slots_segs, layouts,
+                                      group, labels, check_conflicts)        # apply_rows
+        token = pcppass.sync_scatter_context(gathered, index, resolvers, handles, roles, rows_segs,
+                                             slots_segs, layouts, group, labels, check_conflicts)
+        pcppass.sync_unpack(gathered, index, segment, local, group, mask)    # every_rank
+
+    Context-addressed caches are resolved by the scatter at run time; it returns an empty token
+    (:attr:`context_token`) that readers of those caches can wait on.
+    """
+
+    def __init__(self, emit: GraphEmitter, group: SyncGroup) -> None:
+        super().__init__(emit, group)
+        self.segments: Segments | None = None
+        self.gathered: torch.fx.Node | None = None
+        self.index: torch.fx.Node | None = None
+        #: the last context scatter's token (None until one is emitted)
+        self.context_token: torch.fx.Node | None = None
+
+    def exchange(self, segments: Segments) -> None:
+        emit, group = self.emit, self.group
+        graph_rows = segments.graph_rows
+        layouts = [x for rows in graph_rows for x in encode_layout(rows.layout)]
+        packed = emit.call(_SYNC.sync_pack.default, _FINGERPRINT_PENDING,
+                           [r.cache for r in graph_rows], [r.slots for r in graph_rows],
+                           layouts, list(segments.payloads), fingerprint_at=0)
+        gathered = emit.call(_c10d.all_gather_into_tensor.default, packed, group.world_size,
+                             group.group_name)
+        self.gathered = emit.call(_c10d.wait_tensor.default, gathered)
+        self.index = emit.call(_SYNC.sync_read_header.default, self.gathered, group.world_size,
+                               _FINGERPRINT_PENDING, segments.count, group.verify_header,
+                               fingerprint_at=2)
+        self.segments = segments
+
+    def apply_rows(self, rows: Sequence[CacheRows]) -> None:
+        graph_rows = [r for r in rows if not isinstance(r.cache, ContextRef)]
+        context_rows = [r for r in rows if isinstance(r.cache, ContextRef)]
+        if graph_rows:
+            self.emit.call(
+                _SYNC.sync_scatter_rows_all.default,
+                [r.cache for r in graph_rows], self.gathered, self.index,
+                [r.rows_segment for r in graph_rows], [r.slots_segment for r in graph_rows],
+                [x for r in graph_rows for x in encode_layout(r.layout)], self.group.group_name,
+                _labels(graph_rows), self.group.check_conflicts,
+            )
+        if context_rows:
+            refs = [r.cache for r in context_rows]
+            self.context_token = self.emit.call(
+                _SYNC.sync_scatter_context.default, self.gathered, self.index,
+                list(self.segments.context_after), "\n".join(ref.resolver for ref in refs), "\n".join(ref.handle for ref in refs),
+                "\n".join(ref.cache_role for ref in refs),
+                [r.rows_segment for r in context_rows], [r.slots_segment for r in context_rows],
+                [x for r in context_rows for x in encode_layout(r.layout)], self.group.group_name,
+                _labels(context_rows), self.group.check_conflicts,
+            )
+
+    def every_rank(self, segment: int, mask_own_rows: bool) -> torch.fx.Node:
+        assert self.segments is not None, "exchange() first"
+        return self.emit.call(_SYNC.sync_unpack.default, self.gathered, self.index, segment,
+                              self.segments.payload(segment), self.group.group_name, mask_own_rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# One collective: collect -> exchange -> apply rows and re-runs in graph order
+# ---------------------------------------------------------------------------------------------
+
+
+def emit_rerun(emit: GraphEmitter, transport: Transport, rerun: RerunInputs) -> None:
+    """Call the re-run site's op again on every rank's per-row inputs (own slots masked to -1).
+    Every output of the call is discarded: the owner keeps its own."""
+    site = rerun.site
+    if site.node.op != "call_function":
+        raise PlanError(f"{site.label}: a re-run needs an op call, got {site.node.op}")
+    kwargs = dict(site.arguments)
+    for name, dim in site.row_args.items():
+        every_rank = transport.every_rank(rerun.segments[name], name in site.slot_args)
+        kwargs[name] = every_rank if dim == 0 else emit.call(torch.movedim, every_rank, 0, dim)
+    emit.call(site.node.target, kwargs=kwargs)
+
+
+def apply_in_graph_order(emit: GraphEmitter, transport: Transport, segments: Segments) -> None:
+    """Cache rows and re-runs in the sites' order: a re-run that reads state an earlier site wrote
+    sees it synced. Row copies between two re-runs go out as ONE batch (one scatter op); a cache
+    appears once per batch."""
+    batch: list[CacheRows] = []
+    for site in segments.sites:
+        for rows in segments.rows_of(site):
+            if any(rows.cache == other.cache for other in batch):
+                transport.apply_rows(batch)
                 batch = []
-                self._rerun(site, gathered, index, {n: segment(k) for n, k in reruns[id(site)].items()},
-                            {n: payloads[payload_index[k]] for n, k in reruns[id(site)].items()})
-        self._scatter(batch, gathered, index)
+            batch.append(rows)
+        rerun = segments.rerun_of(site)
+        if rerun is not None:
+            transport.apply_rows(batch)
+            batch = []
+            emit_rerun(emit, transport, rerun)
+    transport.apply_rows(batch)
 
-    def _scatter(self, batch: list[tuple], gathered: torch.fx.Node, index: torch.fx.Node) -> None:
-        """One ``sync_scatter_rows_all`` for ``(site, cache sync, rows segment, slots segment)``s."""
-        if not batch:
-            return
-        layouts = [x for _, c, _, _ in batch for x in encode_layout(c.layout)]
-        self._call(_SYNC.sync_scatter_rows_all.default,
-                   ([c.cache for _, c, _, _ in batch], gathered, index, [rows for _, _, rows, _ in batch],
-                    [slots for _, _, _, slots in batch], layouts, self.group_name,
-                    "\n".join(site.label.replace("\n", " ") for site, _, _, _ in batch), self.check_conflicts))
 
-    def _rerun(self, site: SyncSite, gathered, index, segments: dict[str, int],
-               locals_: dict[str, torch.fx.Node]) -> None:
-        if site.node.op != "call_function":
-            raise PlanError(f"{site.label}: a re-run needs an op call, got {site.node.op}")
-        kwargs = dict(site.arguments)
-        for name, dim in site.row_args.items():
-            every_rank = self._call(_SYNC.sync_unpack.default,
-                                    (gathered, index, segments[name], locals_[name],
-                                     self.group_name, name in site.slot_args))
-            kwargs[name] = every_rank if dim == 0 else self._call(torch.movedim, (every_rank, 0, dim))
-        self._call(site.node.target, (), kwargs)
+def emit_collective(emit: GraphEmitter, sites: Sequence[SyncSite], group: SyncGroup,
+                    make_transport: TransportFactory, *, snapshot: bool) -> None:
+    """Sync ``sites`` with one collective at the current insert point. ``snapshot``: the deferred
+    schedule (the sync runs long after the sites; see :meth:`_SegmentCollector.as_sent`)."""
+    segments = collect_segments(emit, sites, snapshot=snapshot)
+    transport = make_transport(emit, group)
+    transport.exchange(segments)
+    apply_in_graph_order(emit, transport, segments)
+    if not snapshot:
+        wait_for_context_sync(emit, sites, transport)
+
+
+def wait_for_context_sync(emit: GraphEmitter, sites: Sequence[SyncSite], transport: Transport) -> None:
+    """Immediate schedule: whatever waited on a context-addressed write's dependency token (vLLM's
+    attention op takes it as ``kv_cache_dummy_dep``) waits on the sync instead, so it reads the
+    cache only once the other ranks' rows are in (the graph cannot see that it reads the cache).
+
+    Before / after, one vLLM layer::
+
+        token = unified_kv_cache_update(key, value, layer)      token = unified_kv_cache_update(...)
+        unified_attention_with_output(..., kv_cache_dummy_dep=token)
+                                                                 ... sync ...; synced = sync_scatter_context(...)
+                                                                 unified_attention_with_output(..., kv_cache_dummy_dep=synced)
+    """
+    context_sites = [s for s in sites if any(isinstance(c.cache, ContextRef) for c in s.caches)]
+    if not context_sites:
+        return
+    token = getattr(transport, "context_token", None)
+    if token is None:
+        raise PlanError(f"{context_sites[0].label}: the transport {type(transport).__name__} does not "
+                        f"sync context-addressed caches")
+    ours = set(emit.nodes)
+    for site in context_sites:
+        value = node_value(site.node)
+        if not (isinstance(value, torch.Tensor) and value.numel() == 0):
+            raise PlanError(f"{site.label}: under the immediate schedule a context-addressed write must "
+                            f"return an empty dependency token its readers wait on")
+        for user in list(site.node.users):
+            if user not in ours:
+                user.replace_input_with(site.node, token)
 
 
 #: what legitimately differs between ranks in a graph's text: object addresses and the rank's
@@ -218,30 +531,28 @@ def insert_sync(
     verify_header: bool = True,
     check_conflicts: bool = True,
     extra_fingerprint: str = "",
+    transport: TransportFactory = AllGatherTransport,
 ) -> SyncRewrite:
     """Insert the sync of every site of ``plan`` into ``gm`` (in place) and recompile it."""
-    if schedule not in ("deferred", "immediate"):
+    if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: expected 'deferred' or 'immediate'")
     graph = gm.graph
-    builder = _CollectiveBuilder(graph, group_name, world_size, verify_header, check_conflicts)
+    emit = GraphEmitter(graph)
+    group = SyncGroup(group_name, world_size, verify_header, check_conflicts)
     collectives = 0
     if plan.sites:
         if schedule == "deferred":
             with graph.inserting_before(graph.find_nodes(op="output")[0]):
-                builder.emit(plan.sites, snapshot=True)
+                emit_collective(emit, plan.sites, group, transport, snapshot=True)
             collectives = 1
         else:
             for site in plan.sites:
                 with graph.inserting_before(site.node.next):
-                    builder.emit([site])
+                    emit_collective(emit, [site], group, transport, snapshot=False)
                 collectives += 1
     graph.lint()
     gm.recompile()
     fingerprint = graph_fingerprint(gm, plan, f"{schedule} world={world_size} {extra_fingerprint}")
-    for node in builder.nodes:
-        if node.target in (_SYNC.sync_pack.default, _SYNC.sync_read_header.default):
-            args = list(node.args)
-            args[0 if node.target is _SYNC.sync_pack.default else 2] = fingerprint
-            node.args = tuple(args)
+    emit.set_fingerprint(fingerprint)
     gm.recompile()
-    return SyncRewrite(schedule, fingerprint, collectives, len(plan.sites), builder.nodes)
+    return SyncRewrite(schedule, fingerprint, collectives, len(plan.sites), emit.nodes)

@@ -1,0 +1,187 @@
+"""The ``torch.compile`` backend: decode sharding with replica sync inserted into the step graph.
+
+    compiled = torch.compile(model, backend=pcppass.backend)              # defaults
+    compiled = torch.compile(model, backend="pcppass")                    # entry point
+    compiled = torch.compile(model, backend=PcpBackend(schedule="immediate", inner="aot_eager"))
+
+:class:`PcpBackend` is configuration and orchestration around :class:`PcpSyncPass` (the rewrite,
+:mod:`pcppass.rewrite.sync_pass`). On the Dynamo graph it receives, the backend
+
+1. runs the pass: stage check, analysis, coverage decision, sync plan and insertion;
+2. refuses a recompile that would run replicated once an engine shards decode on the strength of
+   earlier compiles (``sharded_only``);
+3. checks that every rank rewrote the same graph (fingerprints through the c10d store, with a
+   timeout), hands the graph to the inner compiler (Inductor, aot_eager or eager) and wraps the
+   compiled step with input validation.
+
+Failures are fail-stop: a rank that fails a check its peers passed (bad inputs on that rank, a
+compile the others did not make) or whose step fails aborts the process group before raising, so
+the peers' collectives fail at once instead of waiting for the process-group timeout
+(:mod:`pcppass.runtime.failstop`).
+
+Each compile appends a :class:`CompileReport` to ``backend.reports``; a runner reads
+``backend.replicated`` to know that decode must stay replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from pcppass.analysis import StateWrite
+from pcppass.checks import SyncChecks
+from pcppass.errors import PcpSyncError
+from pcppass.rewrite.insert import Schedule, SyncRewrite
+from pcppass.rewrite.sync_pass import Mode, OnUncovered, PcpSyncPass
+from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
+from pcppass.runtime.fingerprint import exchange_fingerprint
+from pcppass.runtime.validate import InputValidator, validating
+
+__all__ = ["CompileReport", "Inner", "OnUncovered", "PcpBackend", "PcpSyncPass", "SyncChecks", "backend"]
+
+Inner = Literal["inductor", "aot_eager", "eager"]
+_INNERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass
+class CompileReport:
+    """What the backend did with one graph."""
+
+    mode: Mode
+    reason: str
+    writes: list[StateWrite]
+    schedule: Schedule
+    inner: Inner
+    rewrite: SyncRewrite | None = None
+    #: the graph handed to the inner compiler (rewritten when sharded)
+    graph: torch.fx.GraphModule | None = field(default=None, repr=False)
+    #: all-gather nodes in the graph handed to the inner compiler (counted, not planned)
+    all_gather_nodes: int = 0
+
+    @property
+    def uncovered(self) -> list[StateWrite]:
+        return [w for w in self.writes if not w.covered]
+
+    @property
+    def collectives(self) -> int:
+        return self.rewrite.collectives if self.rewrite else 0
+
+
+class PcpBackend:
+    """A configurable pcppass backend (see the module docstring).
+
+    ``group``, ``schedule``, ``on_uncovered``, ``dcp_size``, ``checks``, ``whole_step``: the
+    :class:`PcpSyncPass` configuration. ``inner``: the compiler the rewritten graph goes to.
+    ``name``: names this backend's graphs in errors and fingerprint exchanges.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        schedule: Schedule = "deferred",
+        inner: Inner = "inductor",
+        on_uncovered: OnUncovered = "raise",
+        dcp_size: int = 1,
+        checks: SyncChecks = SyncChecks(),
+        name: str | None = None,
+        whole_step: bool = False,
+    ) -> None:
+        if inner not in _INNERS:
+            raise ValueError(f"inner must be one of {_INNERS}, got {inner!r}")
+        self.sync_pass = PcpSyncPass(group, schedule=schedule, on_uncovered=on_uncovered,
+                                     dcp_size=dcp_size, checks=checks, whole_step=whole_step)
+        self.inner: Inner = inner
+        self.name = name or schedule
+        self.reports: list[CompileReport] = []
+        #: set by a runner that already shards decode on the strength of earlier compiles: a later
+        #: graph (a recompile) that would have to run replicated is refused with PcpSyncError
+        self.sharded_only = False
+
+    # The pass holds the configuration; these read it.
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.sync_pass.group
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.sync_pass.schedule
+
+    @property
+    def on_uncovered(self) -> OnUncovered:
+        return self.sync_pass.on_uncovered
+
+    @property
+    def dcp_size(self) -> int:
+        return self.sync_pass.dcp_size
+
+    @property
+    def checks(self) -> SyncChecks:
+        return self.sync_pass.checks
+
+    def __repr__(self) -> str:
+        return (f"PcpBackend(schedule={self.schedule!r}, inner={self.inner!r}, "
+                f"on_uncovered={self.on_uncovered!r}, dcp_size={self.dcp_size})")
+
+    @property
+    def replicated(self) -> bool:
+        """True once any compiled graph must run with decode replicated on every rank."""
+        return any(r.mode == "replicated" for r in self.reports)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        report = CompileReport("sharded", "", [], self.schedule, self.inner, graph=gm)
+        self.reports.append(report)
+        result = self.sync_pass.apply(gm, fingerprint_extra=f"inner={self.inner}")
+        report.mode, report.reason, report.writes = result.mode, result.reason, result.writes
+        if result.mode == "replicated":
+            self._refuse_if_sharded_only(report)
+        if result.rewrite is None:
+            return self._compile_inner(gm, example_inputs)
+        report.rewrite = result.rewrite
+        report.all_gather_nodes = count_all_gathers(gm)
+        rank = group_rank(result.group)
+        if self.checks.compile_fingerprint:
+            try:
+                exchange_fingerprint(result.rewrite.fingerprint, result.group, namespace=self.name,
+                                     timeout_s=self.checks.fingerprint_timeout_s)
+            except PcpSyncError as exc:
+                # A rank that compiled alone has peers waiting in a collective of the old graph.
+                del result  # a gloo group closes its connections only once no frame holds it
+                raise_fail_stop(exc, self.group, rank, f"compiling the {self.name} graph")
+        compiled = self._compile_inner(gm, example_inputs)
+        if self.checks.inputs:
+            compiled = validating(compiled, InputValidator.from_plan(gm, result.plan, rank=rank))
+        return fail_stopping(compiled, self.group, rank, f"the {self.name} step")
+
+    def _refuse_if_sharded_only(self, report: CompileReport) -> None:
+        if self.sharded_only:
+            raise PcpSyncError(
+                f"pcppass: {self.name} graph #{len(self.reports) - 1} (a recompile) would run with "
+                f"decode replicated ({report.reason}), but the engine already shards decode rows on "
+                "the strength of the earlier graphs: its rows would never be synchronised. Make the "
+                "model trace the same graph at every step (same shapes and guards), so the first "
+                "compile's decision holds for the whole run."
+            )
+
+    def _compile_inner(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if self.inner == "eager":
+            return gm.forward
+        if self.inner == "aot_eager":
+            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+
+def count_all_gathers(gm: torch.fx.GraphModule) -> int:
+    """Functional all-gather nodes in ``gm``: the sync collectives one run of the graph issues."""
+    target = torch.ops._c10d_functional.all_gather_into_tensor.default
+    return len(gm.graph.find_nodes(op="call_function", target=target))
+
+
+#: The default backend: ``torch.compile(model, backend=pcppass.backend)``, and the
+#: ``torch_dynamo_backends`` entry point ``backend="pcppass"``.
+backend = PcpBackend()

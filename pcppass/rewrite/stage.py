@@ -1,0 +1,104 @@
+"""Which graph the sync pass was handed, and whether it is the whole decode step.
+
+The analysis and the rewrite work on the graph Dynamo hands to a ``torch.compile`` backend: writes
+are still as written there, and every placeholder carries its Dynamo source (buffer, argument,
+global), which is how state is told from temporaries. Sharding is sound only if that graph is the
+whole step: code outside it (eager code between graphs, other pieces of a split graph) writes
+state that nothing synchronises. The stages a pass can be installed at:
+
+==========================================  ==============================================  ============
+route                                       graph the pass sees                             pcppass
+==========================================  ==============================================  ============
+``torch.compile(backend=pcppass.backend)``  Dynamo graph of the frame (torch IR, as written) supported
+``PcpSyncPass`` called by an engine's own   the same graph, if called on what Dynamo hands   supported
+backend (vLLM ``DYNAMO_TRACE_ONCE``)        the backend, before AOT
+Inductor ``post_grad_custom_post_pass``     post-grad ATen graph: ``auto_functionalized_v2``  refused
+                                            nodes, placeholders without Dynamo sources
+vLLM piecewise backend                      one piece of ``split_graph`` (between attention   refused
+                                            ops): not the whole step
+==========================================  ==============================================  ============
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx
+
+from pcppass.errors import PcpGraphStageError
+
+log = logging.getLogger(__name__)
+
+#: keys Dynamo puts into ``gm.meta`` of the graph module it hands to the backend
+_DYNAMO_GM_META = ("dynamo_flat_name_to_original_fqn", "dynamo_compile_id")
+_SUPPORTED_ROUTE = (
+    "compile the whole step with torch.compile(model, backend=pcppass.backend, fullgraph=True), or "
+    "call PcpSyncPass on the graph module Dynamo hands your backend, before AOT/Inductor"
+)
+
+
+def _functionalized_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    names = ("auto_functionalized", "auto_functionalized_v2")
+    return [n for n in graph.nodes
+            if n.op == "call_function" and getattr(n.target, "__name__", None) in names]
+
+
+def check_graph_stage(gm: torch.fx.GraphModule) -> None:
+    """Raise :class:`~pcppass.errors.PcpGraphStageError` unless ``gm`` is a Dynamo graph.
+
+    Refused: a post-AOT graph (functionalized writes, placeholders without Dynamo sources), and a
+    graph some of whose inputs are values computed elsewhere (a piece of a split graph).
+    """
+    functionalized = _functionalized_nodes(gm.graph)
+    if functionalized:
+        raise PcpGraphStageError(
+            f"pcppass: this is a post-grad (AOT, functionalized) graph: {functionalized[0].name} is "
+            f"{functionalized[0].target.__name__}; writes there are functional copies, state inputs "
+            "carry no Dynamo source, and the pass would not see them as written. pcppass rewrites "
+            f"the Dynamo graph: {_SUPPORTED_ROUTE}."
+        )
+    sourceless = [n.name for n in gm.graph.find_nodes(op="placeholder") if "grapharg" not in n.meta]
+    if sourceless:
+        raise PcpGraphStageError(
+            f"pcppass: placeholder(s) {sourceless[:4]} carry no Dynamo source: this graph is not the "
+            "graph Dynamo traced (a piece of a split graph, such as vLLM's piecewise pieces, or an "
+            "AOT graph), so it is not the whole step and state cannot be told from temporaries. "
+            f"{_SUPPORTED_ROUTE[0].upper()}{_SUPPORTED_ROUTE[1:]}."
+        )
+
+
+def is_dynamo_graph_module(gm: torch.fx.GraphModule) -> bool:
+    """True if ``gm`` carries the metadata Dynamo puts on the graph module it hands over (a piece
+    or a copy made from it by other code does not)."""
+    return all(key in gm.meta for key in _DYNAMO_GM_META)
+
+
+def graph_breaks() -> list[str]:
+    """The graph break that ends the graph being compiled, and whether it resumes after one.
+
+    A step split into several graphs runs the code between them eagerly, unseen by the analysis:
+    a graph that ends in a break, or a resume function's graph, is not the whole step. Read from
+    the frame Dynamo is translating; this is Dynamo internals (checked on torch 2.13), so anything
+    unexpected disables the check with a debug log instead of failing the compile.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        reason = tx.output.compile_subgraph_reason
+        code_name = tx.f_code.co_name
+        found = []
+        if reason is not None and reason.graph_break:
+            where = ""
+            if reason.user_stack:
+                frame = reason.user_stack[-1]
+                where = f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+            found.append(f"graph break{where}: {reason.reason.strip().splitlines()[0]}")
+        if code_name.startswith("torch_dynamo_resume_in_"):
+            found.append(f"graph resumes after a graph break ({code_name}): the code before it ran "
+                         "eagerly")
+        return found
+    except Exception as exc:  # other torch versions: no detection rather than a failed compile
+        log.debug("pcppass: graph-break detection unavailable: %r", exc)
+        return []

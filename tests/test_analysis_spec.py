@@ -1,0 +1,251 @@
+"""The pattern language cannot be built wrong: positional traps, type checks, names that the op's
+schema does not have, and every built-in pattern against the schemas of its ops."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import pcppass.kernels  # noqa: F401  (registers the pcppass ops)
+from pcppass.analysis import Uncovered, find_state_writes
+from pcppass.analysis.trace import StepInputs, capture_graph
+from pcppass.registry import all_patterns, register_pattern, unregister_pattern
+from pcppass.spec import (
+    BlockSplit, ByArgValue, CacheRole, IndexedDim, PagedRows, Recipe, RowLayout, WritePattern,
+)
+
+
+@torch.library.custom_op("pcppass_spec::store_dim1", mutates_args=("cache",))
+def store_dim1(src: torch.Tensor, cache: torch.Tensor, index: torch.Tensor) -> None:
+    cache.index_copy_(1, index, src)
+
+
+@store_dim1.register_fake
+def _(src, cache, index) -> None:
+    return None
+
+
+class StoreDim1(torch.nn.Module):
+    def forward(self, src, index, cache):
+        torch.ops.pcppass_spec.store_dim1(src, cache, index)
+        return src.sum()
+
+
+def _store_dim1_writes(layout: RowLayout, slots: str = "index"):
+    pattern = register_pattern(WritePattern(
+        "spec.store_dim1", ops=("pcppass_spec::store_dim1",),
+        caches=(CacheRole("cache", slots=slots, layout=layout),), row_args={"src": 1, "index": 0},
+    ), replace=True)
+    try:
+        src, index, cache = torch.randn(2, 3, 16), torch.tensor([4, 9, 1]), torch.zeros(2, 32, 16)
+        return find_state_writes(capture_graph(StoreDim1(), StepInputs((src, index, cache))))
+    finally:
+        unregister_pattern(pattern.name)
+
+
+def test_indexed_dim_positional_is_the_dim():
+    assert IndexedDim(1) == IndexedDim(dim=1) and IndexedDim(1).dim == 1
+    (w,) = _store_dim1_writes(IndexedDim(1))
+    # rows along dim 1 of a [2, 32, 16] fp32 cache: 32 rows of 2 * 16 floats
+    assert w.covered and (w.layout.kind, w.layout.dim, w.layout.block_size) == ("indexed_dim", 1, 32)
+    assert w.bytes_per_row == 2 * 16 * 4
+
+
+def test_kind_is_a_class_constant_not_a_field():
+    assert [f.name for f in dataclasses.fields(IndexedDim)] == ["dim"]
+    assert [f.name for f in dataclasses.fields(PagedRows)] == []
+    assert (PagedRows.kind, BlockSplit.kind, IndexedDim.kind, ByArgValue.kind) == (
+        "paged_rows", "block_split", "indexed_dim", "by_arg_value")
+    with pytest.raises(TypeError):
+        PagedRows(kind="indexed_dim")
+
+
+def test_by_arg_value_positional_reads_the_argument():
+    layout = ByArgValue("kv_cache_dtype", (("auto", PagedRows()), ("fp8", IndexedDim(0))))
+    assert layout.arg == "kv_cache_dtype" and layout.cases[1] == ("fp8", IndexedDim(0))
+    assert ByArgValue("mode", {"a": PagedRows()}).cases == (("a", PagedRows()),)
+    resolved = layout.resolve((4, 8, 2, 16), 2, {"kv_cache_dtype": "auto"})
+    assert (resolved.kind, resolved.block_size, resolved.bytes_per_row) == ("paged_rows", 8, 64)
+
+
+@pytest.mark.parametrize("build,error,needle", [
+    (lambda: BlockSplit("k", "quant_block_size"), TypeError, "positional"),
+    (lambda: BlockSplit(value_arg=""), TypeError, "value_arg"),
+    (lambda: IndexedDim("1"), TypeError, "int"),
+    (lambda: IndexedDim(True), TypeError, "int"),
+    (lambda: ByArgValue("kv_cache_dtype", ()), TypeError, "non-empty"),
+    (lambda: ByArgValue("kv_cache_dtype", (("auto", PagedRows),)), TypeError, "layout instance"),
+    (lambda: ByArgValue("kv_cache_dtype", (("a", PagedRows()), ("a", PagedRows()))), ValueError, "repeats"),
+    (lambda: ByArgValue(("auto", PagedRows()), "kv_cache_dtype"), TypeError, "arg"),
+    (lambda: CacheRole("kv", "slots"), TypeError, "positional"),
+    (lambda: CacheRole("kv", slots=""), TypeError, "slots"),
+    (lambda: CacheRole("kv", slots="s", layout=PagedRows), TypeError, "PagedRows()"),
+    (lambda: CacheRole("kv", slots="s", layout="paged"), TypeError, "RowLayout"),
+    (lambda: WritePattern("p", ("a::b",), ()), TypeError, "positional"),
+    (lambda: WritePattern("p", ops="a::op", caches=(CacheRole("kv", slots="s"),)), TypeError, "tuple of names"),
+    (lambda: WritePattern("p", ops=("op",), caches=(CacheRole("kv", slots="s"),)), ValueError, "namespace::op"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=CacheRole("kv", slots="s")), TypeError, "caches"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=()), TypeError, "caches"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=(CacheRole("kv", slots="s"),) * 2), ValueError, "two cache roles"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=(CacheRole("kv", slots="s"),), row_args={"x": "0"}),
+     TypeError, "row_args"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=(CacheRole("kv", slots="s"),), recipe="copy"),
+     ValueError, "copy"),
+    (lambda: WritePattern("p", ops=("a::op",), caches=(CacheRole("kv", slots="s"),), recipe=Recipe.RERUN),
+     ValueError, "row_args"),
+    (lambda: WritePattern("", ops=("a::op",), caches=(CacheRole("kv", slots="s"),)), TypeError, "name"),
+])
+def test_wrong_constructions_raise(build, error, needle):
+    with pytest.raises(error, match=None) as info:
+        build()
+    assert needle in str(info.value)
+
+
+def test_recipe_given_as_its_value_is_the_enum():
+    p = WritePattern("p", ops=("a::op",), caches=(CacheRole("kv", slots="s"),), recipe="rerun",
+                     row_args={"s": 0})
+    assert p.recipe is Recipe.RERUN and p.ops == ("a::op",)
+
+
+def test_slot_argument_missing_from_the_schema_is_uncovered_and_named():
+    (w,) = _store_dim1_writes(IndexedDim(1), slots="slot_mapping")
+    assert not w.covered and w.reason is Uncovered.UNKNOWN_LAYOUT
+    assert "'slot_mapping'" in w.detail and "pcppass_spec::store_dim1" in w.detail
+    assert "src, cache, index" in w.detail
+
+
+def test_layout_argument_missing_from_the_schema_is_uncovered():
+    (w,) = _store_dim1_writes(BlockSplit(value_arg="k", quant_block_arg="qbs"))
+    assert not w.covered and "'k', 'qbs'" in w.detail
+
+
+def test_every_builtin_pattern_names_only_arguments_of_its_ops():
+    """Each pattern's roles, slots, layout and row arguments exist in every registered schema."""
+    checked = 0
+    for pattern in all_patterns():
+        for op in pattern.ops:
+            ns, _, name = op.partition("::")
+            if pattern.aten_family is not None or not hasattr(getattr(torch.ops, ns), name):
+                continue  # aten spellings bind per call; vLLM's own ops are not registered here
+            packet = getattr(getattr(torch.ops, ns), name)
+            for overload in packet.overloads():
+                schema = getattr(packet, overload)._schema
+                names = {a.name for a in schema.arguments}
+                assert set(pattern.arguments()) <= names, (pattern.name, schema)
+                checked += 1
+    assert checked >= 7
+
+
+# ----------------------------------------------------------------------------- bytes per row
+
+
+@torch.library.custom_op("pcppass_spec::store_key_half", mutates_args=("cache",))
+def store_key_half(key: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    live = slots >= 0
+    cache.flatten(0, 1)[slots[live], 0] = key[live]  # only the first of two heads
+
+
+@store_key_half.register_fake
+def _(key, cache, slots) -> None:
+    return None
+
+
+class StoreKeyHalf(torch.nn.Module):
+    def forward(self, key, slots, cache):
+        torch.ops.pcppass_spec.store_key_half(key, cache, slots)
+        return key.sum()
+
+
+def test_layout_wider_than_the_written_row_is_uncovered_with_both_numbers():
+    pattern = register_pattern(WritePattern(
+        "spec.store_key_half", ops=("pcppass_spec::store_key_half",),
+        caches=(CacheRole("cache", slots="slots", layout=PagedRows(), values=("key",)),),
+        row_args={"key": 0, "slots": 0},
+    ))
+    try:
+        key, slots, cache = torch.randn(5, 16), torch.arange(5), torch.zeros(4, 8, 2, 16)
+        (w,) = find_state_writes(capture_graph(StoreKeyHalf(), StepInputs((key, slots, cache))))
+    finally:
+        unregister_pattern(pattern.name)
+    # the paged layout's row is [2, 16] fp32 = 128 B; the op writes key rows of 16 floats = 64 B
+    assert not w.covered and w.reason is Uncovered.ROW_BYTES_MISMATCH
+    assert "writes 64 B per row" in w.detail and "addresses 128 B per row" in w.detail
+    assert "key [s" in w.detail or "key [5" in w.detail
+    assert w.written_bytes_per_row == 64 and w.layout is None
+
+
+def test_wrong_indexed_dim_is_caught_by_the_written_rows():
+    """The trap of the issue: IndexedDim on the wrong dim resolves, but the bytes do not match."""
+    def with_values(layout):
+        pattern = register_pattern(WritePattern(
+            "spec.store_dim1", ops=("pcppass_spec::store_dim1",),
+            caches=(CacheRole("cache", slots="index", layout=layout, values=("src",)),),
+            row_args={"src": 1, "index": 0},
+        ), replace=True)
+        try:
+            src, index, cache = torch.randn(2, 3, 16), torch.tensor([4, 9, 1]), torch.zeros(2, 32, 16)
+            (w,) = find_state_writes(capture_graph(StoreDim1(), StepInputs((src, index, cache))))
+            return w
+        finally:
+            unregister_pattern(pattern.name)
+
+    wrong = with_values(IndexedDim(0))
+    assert wrong.reason is Uncovered.ROW_BYTES_MISMATCH
+    assert "writes 128 B per row" in wrong.detail and "addresses 2048 B per row" in wrong.detail
+    right = with_values(IndexedDim(1))
+    assert right.covered and right.bytes_per_row == right.written_bytes_per_row == 128
+
+
+# ----------------------------------------------------------------------------- slot dtype
+
+
+@torch.library.custom_op("pcppass_spec::store_rows", mutates_args=("cache",))
+def store_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    live = slots >= 0
+    cache.flatten(0, 1)[slots[live].long()] = x[live]
+
+
+@store_rows.register_fake
+def _(x, cache, slots) -> None:
+    return None
+
+
+STORE_ROWS = WritePattern(
+    "spec.store_rows", ops=("pcppass_spec::store_rows",),
+    caches=(CacheRole("cache", slots="slots", layout=PagedRows(), values=("x",)),),
+    row_args={"x": 0, "slots": 0},
+)
+
+
+class Int32Slots(torch.nn.Module):
+    def forward(self, x, slots, caches):
+        torch.ops.pcppass_spec.store_rows(x, caches["op"], slots)            # int32 slot mapping
+        caches["flat"].view(-1, 2, 16)[slots] = x.view(-1, 2, 16)            # int32 row index
+        caches["flat"].view(-1, 2, 16)[slots.long()] = x.view(-1, 2, 16)     # int64: covered
+        return x.sum()
+
+
+def test_int32_slot_mappings_are_refused_with_op_state_line_and_dtype():
+    register_pattern(STORE_ROWS, replace=True)
+    try:
+        x, slots = torch.randn(5, 32), torch.arange(5, dtype=torch.int32)
+        caches = {"op": torch.zeros(4, 8, 32), "flat": torch.zeros(4, 8, 2, 16)}
+        op, setitem, ok = find_state_writes(capture_graph(Int32Slots(), StepInputs((x, slots, caches))))
+    finally:
+        unregister_pattern(STORE_ROWS.name)
+    for w, name in ((op, "slots"), (setitem, "the row index")):
+        assert not w.covered and w.reason is Uncovered.SLOT_DTYPE
+        assert f"through slot mapping {name} of dtype torch.int32" in w.detail
+        assert w.op in w.detail and w.state in w.detail and w.source in w.detail
+        assert "test_analysis_spec.py:" in w.source
+    assert op.op == "pcppass_spec::store_rows" and "int32 slot mapping" in _source_line(op.source)
+    assert "int32 row index" in _source_line(setitem.source)
+    assert ok.covered and ok.bytes_per_row == 128
+
+
+def _source_line(location: str) -> str:
+    path, line = location.rsplit(":", 1)
+    with open(__file__ if path.endswith("test_analysis_spec.py") else path) as f:
+        return f.read().splitlines()[int(line) - 1]
