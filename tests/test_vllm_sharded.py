@@ -14,30 +14,14 @@ a layer's KV cache, named by layer.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
 from pcppass.engine.launch import launch
 from pcppass.engine.workload import RequestSpec
-from vllm_cases import BUILDERS, MAX_TOKENS, PROMPTS, VLLM_ENV, finish_worker, start_worker
+from vllm_cases import MAX_TOKENS, PROMPTS, VLLM_ENV
 
 MODELS = ("llama", "deepseek_v2")
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("vllm_models")
-    return {name: build(root / name) for name, build in BUILDERS.items()}
-
-
-@pytest.fixture(scope="module")
-def reference_tokens(model_dirs) -> dict[str, list[list[int]]]:
-    """vLLM's own LLM.generate (default compile), one process per model, both at once."""
-    procs = {name: start_worker("generate", model_dirs[name], backend="default") for name in MODELS}
-    return {name: finish_worker(proc)["tokens"] for name, proc in procs.items()}
 
 
 def _engine_args(model: str) -> dict:
@@ -114,17 +98,17 @@ def _check_sharded(label: str, ranks: list[dict], reference: list[list[int]]) ->
 
 
 @pytest.mark.timeout(900)
-def test_two_ranks_layername_and_negative_control(model_dirs, reference_tokens, monkeypatch):
+def test_two_ranks_layername_and_negative_control(vllm_model_dirs, vllm_reference_tokens, monkeypatch):
     for key, value in VLLM_ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("VLLM_USE_LAYERNAME", "1")
     runs = [("llama", "inductor", (), "raise"), ("deepseek_v2", "aot_eager", (), "raise"),
             ("llama", "eager", ("vllm.unified_kv_cache_update",), "raise"),
             ("llama", "eager", ("vllm.unified_kv_cache_update",), "unsafe_ignore")]
-    dirs = {m: str(p) for m, p in model_dirs.items()}
+    dirs = {m: str(p) for m, p in vllm_model_dirs.items()}
     per_rank = launch(_run_models, 2, dirs, runs, timeout_s=860)
     for i, (model, inner, _, _) in enumerate(runs[:2]):
-        _check_sharded(f"{model} P=2 {inner}", [per_rank[r][i] for r in range(2)], reference_tokens[model])
+        _check_sharded(f"{model} P=2 {inner}", [per_rank[r][i] for r in range(2)], vllm_reference_tokens[model])
     refused = [per_rank[r][2] for r in range(2)]
     for r in refused:
         assert r.get("error") == "PcpCoverageError", r
@@ -137,12 +121,12 @@ def test_two_ranks_layername_and_negative_control(model_dirs, reference_tokens, 
 
 
 @pytest.mark.timeout(900)
-def test_four_ranks_layer_name_strings(model_dirs, reference_tokens, monkeypatch):
+def test_four_ranks_layer_name_strings(vllm_model_dirs, vllm_reference_tokens, monkeypatch):
     for key, value in VLLM_ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("VLLM_USE_LAYERNAME", "0")
     runs = [("llama", "aot_eager", (), "raise"), ("deepseek_v2", "eager", (), "raise")]
-    dirs = {m: str(p) for m, p in model_dirs.items()}
+    dirs = {m: str(p) for m, p in vllm_model_dirs.items()}
     per_rank = launch(_run_models, 4, dirs, runs, timeout_s=860)
     for i, (model, inner, _, _) in enumerate(runs):
-        _check_sharded(f"{model} P=4 {inner}", [per_rank[r][i] for r in range(4)], reference_tokens[model])
+        _check_sharded(f"{model} P=4 {inner}", [per_rank[r][i] for r in range(4)], vllm_reference_tokens[model])

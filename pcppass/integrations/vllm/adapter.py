@@ -68,11 +68,19 @@ def init_vllm_ranks(vllm_config: Any, rank: int, world: int, *, timeout_s: float
 
 
 def vllm_config_for(model_dir: str, **engine_args: Any) -> Any:
-    """vLLM's config for ``model_dir`` with vLLM's own compilation off (pcppass compiles),
-    no tokenizer and float32 unless ``engine_args`` say otherwise."""
+    """vLLM's config for ``model_dir``: no tokenizer, float32, and vLLM's own compilation off
+    (pcppass compiles) with vLLM's custom ops in their native torch form, as vLLM's own compile
+    traces them (``custom_ops=["none"]``), unless ``engine_args`` say otherwise.
+
+    Not ``enforce_eager=True``: that also switches vLLM's custom ops to their C++ CPU kernels,
+    one of which makes DeepSeek-V2's results depend on the batch (the first request of a batch
+    moves by ~1e-2 in its logits, checked against HF transformers), so a request's tokens would
+    depend on which other requests share its step."""
+    from vllm.config import CompilationMode
     from vllm.engine.arg_utils import EngineArgs
 
-    args = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True)
+    args = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32",
+                compilation_config={"mode": CompilationMode.NONE, "custom_ops": ["none"]})
     args.update(engine_args)
     return EngineArgs(**args).create_engine_config()
 

@@ -9,8 +9,10 @@ model's forward (one graph: placeholders still carry their Dynamo sources, the l
 
 :class:`VllmBackend` then
 
-1. audits the graph (:func:`pcppass.analysis.find_state_writes`): every KV write, by layer, and
-   what covers it; an uncovered write raises :class:`~pcppass.errors.PcpCoverageError`;
+1. checks it is Dynamo's whole graph (a piece of vLLM's piecewise split or a post-grad graph is
+   refused: :class:`~pcppass.errors.PcpGraphStageError`) and audits it
+   (:func:`pcppass.analysis.find_state_writes`): every KV write, by layer, and what covers it; an
+   uncovered write or a graph break raises :class:`~pcppass.errors.PcpCoverageError`;
 2. rewrites it: the replica sync of every covered write, resolved by layer name at run time, in
    one collective per step (deferred schedule) on vLLM's world group;
 3. compiles the result with Inductor (or ``inner``).
@@ -21,8 +23,8 @@ the sync is an identity that still runs every step, so what vLLM executes is the
 and refuses a larger world. Decode sharding across ranks runs through
 :mod:`pcppass.integrations.vllm.adapter`.
 
-``vllm_pcppass.reports`` (module attribute ``backend.reports``) keeps what each compile did, for
-an engine running in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+``backend.reports`` keeps what each compile did, readable when vLLM's engine core runs in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pcppass.analysis import StateWrite, find_state_writes
 from pcppass.errors import PcpCoverageError, PcpError
 from pcppass.rewrite.insert import SyncRewrite, insert_sync
 from pcppass.rewrite.plan import plan_sync
+from pcppass.rewrite.stage import check_graph_stage, graph_breaks
 
 Inner = Literal["inductor", "aot_eager", "eager"]
 
@@ -73,10 +76,12 @@ class VllmBackend:
         return f"VllmBackend(inner={self.inner!r}, audit_only={self.audit_only})"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        check_graph_stage(gm)  # a piece of vLLM's piecewise split, or a post-grad graph: refused
         report = VllmCompile(find_state_writes(gm), graph=gm)
         self.reports.append(report)
-        if report.uncovered and not self.audit_only:
-            raise PcpCoverageError(report.uncovered)
+        breaks = graph_breaks()
+        if (report.uncovered or breaks) and not self.audit_only:
+            raise PcpCoverageError(report.uncovered, breaks)
         if not self.audit_only:
             report.rewrite = self._insert_sync(gm, report.writes)
         return _compile(self.inner, gm, example_inputs)
