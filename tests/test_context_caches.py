@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch._library.opaque_object import register_opaque_type
+from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
 from pcppass.compiler import PcpBackend
@@ -65,48 +65,20 @@ def _write(x: torch.Tensor, layer_name) -> torch.Tensor:
     return x.new_empty(0)
 
 
-def _attend(q: torch.Tensor, layer_name) -> torch.Tensor:
+def _attend(q: torch.Tensor, layer_name, dep: torch.Tensor) -> torch.Tensor:
     return q + CONTEXT[_name(layer_name)]["kv"].float().sum() / 64
 
 
-@torch.library.custom_op("ctxtest::write_rows", mutates_args=())
-def write_rows(x: torch.Tensor, layer_name: str) -> torch.Tensor:
-    return _write(x, layer_name)
-
-
-@write_rows.register_fake
-def _(x, layer_name):
-    return x.new_empty(0)
-
-
-@torch.library.custom_op("ctxtest::attend", mutates_args=())
-def attend(q: torch.Tensor, layer_name: str, dep: torch.Tensor) -> torch.Tensor:
-    return _attend(q, layer_name)
-
-
-@attend.register_fake
-def _(q, layer_name, dep):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("ctxtest::write_rows_h", mutates_args=())
-def write_rows_h(x: torch.Tensor, layer_name: Handle) -> torch.Tensor:
-    return _write(x, layer_name)
-
-
-@write_rows_h.register_fake
-def _(x, layer_name):
-    return x.new_empty(0)
-
-
-@torch.library.custom_op("ctxtest::attend_h", mutates_args=())
-def attend_h(q: torch.Tensor, layer_name: Handle, dep: torch.Tensor) -> torch.Tensor:
-    return _attend(q, layer_name)
-
-
-@attend_h.register_fake
-def _(q, layer_name, dep):
-    return torch.empty_like(q)
+# Each op twice: the layer name as a string, and (suffix _h) as the hoisted opaque Handle.
+LIB = torch.library.Library("ctxtest", "FRAGMENT")
+for suffix, handle_type in (("", "str"), ("_h", get_opaque_type_name(Handle))):
+    LIB.define(f"write_rows{suffix}(Tensor x, {handle_type} layer_name) -> Tensor")
+    LIB.define(f"attend{suffix}(Tensor q, {handle_type} layer_name, Tensor dep) -> Tensor")
+    LIB.impl(f"write_rows{suffix}", _write, "CompositeExplicitAutograd")
+    LIB.impl(f"attend{suffix}", _attend, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"ctxtest::write_rows{suffix}", lambda x, layer_name: x.new_empty(0), lib=LIB)
+    torch.library.register_fake(f"ctxtest::attend{suffix}", lambda q, layer_name, dep: torch.empty_like(q),
+                                lib=LIB)
 
 
 def resolve(handle: str) -> dict[str, torch.Tensor]:

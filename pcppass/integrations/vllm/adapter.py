@@ -29,23 +29,23 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pcppass.checks import SyncChecks
+from pcppass.compiler import Inner, OnUncovered, PcpBackend
 from pcppass.engine.contract import (
-    IS_PADDING, QUERY_START_LOC, SEQ_LENS, CacheGroupSpec, CacheSpec, slot_key, table_key,
+    QUERY_START_LOC, SEQ_LENS, CacheGroupSpec, CacheSpec, slot_key, table_key,
 )
-from pcppass.engine.layout import plan_layout
 from pcppass.engine.runner import Engine
-from pcppass.errors import PcpError, PcpSyncError
+from pcppass.errors import PcpError
 from pcppass.runtime.stats import SYNC_COUNTERS
+from pcppass.sharded import ShardedRunner, StepSync
 
-log = logging.getLogger(__name__)
 
 #: the engine's one cache group: every attention layer of the model shares its block table
 GROUP = "attn"
@@ -220,28 +220,12 @@ class VllmModel(nn.Module):
 class ReplicatedMixedEngine(Engine):
     """:class:`~pcppass.engine.runner.Engine` whose mixed steps run replicated: every rank runs
     every row of a step with prefill rows (so they write identical bytes and need no sync), and
-    decode-only steps keep the engine's ownership policy (sharded)."""
+    decode-only steps keep round-robin ownership (sharded)."""
 
     def plan(self, step):
-        if step.step_kind != "mixed" or self.world == 1:
-            return super().plan(step)
-        plan = plan_layout(step, self.world, "replicated", partition_prefill=False,
-                           buckets=self.config.buckets)
-        ranks = range(self.world) if self.config.validate else [self.rank]
-        from pcppass.engine.layout import build_local_step
-
-        return plan, [build_local_step(step, plan, r, self.groups, self.table_columns, self.device)
-                      for r in ranks]
-
-
-@dataclass(frozen=True)
-class StepSync:
-    """The replica sync one step ran on this rank."""
-
-    step_kind: str
-    rows: int
-    collectives: int
-    bytes_gathered: int
+        # the ownership policy of this step (the engine reads it when it lays the step out)
+        self.policy = "replicated" if step.step_kind == "mixed" else "round_robin"
+        return super().plan(step)
 
 
 class VllmRunner:
@@ -249,52 +233,35 @@ class VllmRunner:
 
     Decode steps run vLLM's model compiled with :class:`pcppass.compiler.PcpBackend` (deferred
     schedule); mixed steps, which the engine runs replicated, run it compiled by ``inner`` alone.
+    ``on_uncovered``: ``"raise"``, or ``"unsafe_ignore"`` for negative controls (the engine shards
+    decode whatever the backend decides, so ``"replicate"`` is refused).
     """
 
-    def __init__(self, model: VllmModel, *, inner: str = "inductor", on_uncovered: str = "raise",
-                 group: dist.ProcessGroup | None = None, checks: Any = None) -> None:
-        from pcppass.compiler import PcpBackend
-
-        kwargs: dict[str, Any] = dict(group=group, inner=inner, on_uncovered=on_uncovered)
-        if checks is not None:
-            kwargs["checks"] = checks
+    def __init__(self, model: VllmModel, *, inner: Inner = "inductor", on_uncovered: OnUncovered = "raise",
+                 group: dist.ProcessGroup | None = None, checks: SyncChecks = SyncChecks()) -> None:
+        if on_uncovered == "replicate":
+            raise ValueError("VllmRunner shards decode: on_uncovered must be 'raise' (or 'unsafe_ignore' "
+                             "in a negative control); run a replicated engine to keep decode replicated")
         self.model = model
-        self.group = group
-        self.decode_backend = PcpBackend(schedule="deferred", name="decode", **kwargs)
+        self.decode_backend = PcpBackend(group=group, schedule="deferred", inner=inner,
+                                         on_uncovered=on_uncovered, checks=checks, name="decode")
         self._graphs = {
             "decode": torch.compile(model.model, backend=self.decode_backend, fullgraph=True),
-            "mixed": torch.compile(model.model, backend=_inner_backend(inner), fullgraph=True),
+            "mixed": torch.compile(model.model, backend=inner, fullgraph=True),
         }
         self.step_syncs: list[StepSync] = []
-
-    @property
-    def replicated(self) -> bool:
-        return self.decode_backend.replicated
 
     def __call__(self, input_ids, positions, meta, caches, step_kind: str) -> torch.Tensor:
         for t in (input_ids, positions):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         SYNC_COUNTERS.take()
         with self.model.step_context(meta, caches):
-            hidden = _surface_pcppass_error(self._graphs[step_kind], input_ids, positions)
+            # pcppass's own refusal (coverage, fingerprints) rather than Dynamo's wrapper
+            hidden = ShardedRunner._run(self._graphs[step_kind], input_ids, positions)
         counts = SYNC_COUNTERS.take()
         self.step_syncs.append(StepSync(step_kind, int(input_ids.shape[0]), counts.collectives,
-                                        counts.bytes_gathered))
+                                        counts.bytes_sent, counts.bytes_gathered))
         return hidden
-
-
-def _inner_backend(inner: str) -> Any:
-    return "inductor" if inner == "inductor" else inner
-
-
-def _surface_pcppass_error(graph: Any, *args: Any) -> torch.Tensor:
-    try:
-        return graph(*args)
-    except torch._dynamo.exc.BackendCompilerFailed as exc:
-        inner = getattr(exc, "inner_exception", None) or exc.__cause__
-        if isinstance(inner, PcpError):
-            raise inner from None
-        raise
 
 
 def sharded_vllm_engine(model: VllmModel, runner: VllmRunner, *, world: int, rank: int,
