@@ -12,15 +12,24 @@ no-cache reference paths (``reference_forward``) replay exactly the rounding of 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import pcppass.kernels  # noqa: F401  (registers torch.ops.pcppass.*)
-from pcppass.engine.contract import CacheGroupSpec, CacheSpec, table_key
+import pcppass.kernels.attention  # noqa: F401  (registers the paged attention ops of the CUDA paths)
+from pcppass.engine.contract import (
+    IS_PADDING,
+    QUERY_START_LOC,
+    TOKEN_TO_REQ,
+    CacheGroupSpec,
+    CacheSpec,
+    table_key,
+)
 from pcppass.kernels.math import layer_norm, rms_norm, rope
 from pcppass.kernels.quant import bytes_float32, dequant_fp8, encode_indexer_rows, split_indexer_cache
 
@@ -39,6 +48,11 @@ __all__ = [
     "linear",
     "materialize",
     "mla_attend",
+    "mla_attend_paged",
+    "mla_up_weights",
+    "paged_kernels",
+    "force_paged_kernels",
+    "paged_rows",
     "read_indexer_keys",
     "reference_causal",
     "reference_rows",
@@ -193,14 +207,78 @@ def mla_attend(
     ``W_UK [H, N, L]`` (absorbed into the query) and ``W_UV [H, V, L]`` (applied to the latent
     output). Returns ``[T, H, V]``.
     """
-    h, n = q_nope.shape[1], q_nope.shape[2]
-    w = kv_b_weight.view(h, n + v_head_dim, kv_c.shape[-1])
-    w_uk, w_uv = w[:, :n], w[:, n:]
+    w_uk, w_uv = mla_up_weights(kv_b_weight, q_nope.shape[1], q_nope.shape[2], v_head_dim, kv_c.shape[-1])
     q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
     scores = torch.einsum("thl,tsl->ths", q_latent, kv_c) + torch.einsum("thr,tsr->ths", q_pe, k_pe)
     scores = scores.float().mul(scale).masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(kv_c.dtype)
     out_latent = torch.einsum("ths,tsl->thl", probs, kv_c)
+    return torch.einsum("thl,hvl->thv", out_latent, w_uv)
+
+
+def mla_up_weights(kv_b_weight: torch.Tensor, heads: int, nope: int, v_head_dim: int, latent: int):
+    """``kv_b_proj``'s weight split into ``W_UK [H, N, L]`` and ``W_UV [H, V, L]``."""
+    w = kv_b_weight.view(heads, nope + v_head_dim, latent)
+    return w[:, :nope], w[:, nope:]
+
+
+# ------------------------------------------------------------------- paged kernels (CUDA paths)
+
+
+_FORCED_PATH: bool | None = None
+
+
+def paged_kernels(x: torch.Tensor) -> bool:
+    """Whether attention runs through the paged kernels: on CUDA tensors, unless
+    :func:`force_paged_kernels` says otherwise (tests: the kernels on CPU under
+    ``TRITON_INTERPRET=1``, the reference paths on CUDA). Otherwise the models keep their reference
+    paths (gather every visible row, attend in plain torch)."""
+    return x.is_cuda if _FORCED_PATH is None else _FORCED_PATH
+
+
+@contextlib.contextmanager
+def force_paged_kernels(enabled: bool) -> Iterator[None]:
+    """Inside the block, every model attends through the kernels (``True``) or the reference
+    paths (``False``) whatever the device."""
+    global _FORCED_PATH
+    previous, _FORCED_PATH = _FORCED_PATH, enabled
+    try:
+        yield
+    finally:
+        _FORCED_PATH = previous
+
+
+def paged_rows(meta: dict[str, torch.Tensor], group: str, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the paged attention kernels read of a step, in their argument order: ``group``'s block
+    table (one row per local request), ``positions``, ``token_to_req``, ``query_start_loc``,
+    ``is_padding`` (see :mod:`pcppass.kernels.attention.ops`)."""
+    return meta[table_key(group)], positions, meta[TOKEN_TO_REQ], meta[QUERY_START_LOC], meta[IS_PADDING]
+
+
+def mla_attend_paged(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    rows: tuple[torch.Tensor, ...],
+    kv_b_weight: torch.Tensor,
+    v_head_dim: int,
+    scale: float,
+    ds_mla: bool,
+    indexer: tuple | None = None,
+) -> torch.Tensor:
+    """:func:`mla_attend` on CUDA: the same weight absorption around a kernel that reads the latent
+    cache through the block table; ``rows`` is :func:`paged_rows` of the cache's group. ``indexer``
+    = (q_idx, weights, indexer cache, indexer block table, quant_block_size, topk): attend only to
+    each row's top-k positions by the lightning indexer's score. Returns ``[T, H, V]``."""
+    w_uk, w_uv = mla_up_weights(kv_b_weight, q_nope.shape[1], q_nope.shape[2], v_head_dim, kv_b_weight.shape[-1])
+    q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
+    if indexer is None:
+        out_latent = torch.ops.pcppass.paged_mla_attention(q_latent, q_pe, cache, *rows, scale, ds_mla)
+    else:
+        q_idx, weights, indexer_cache, indexer_table, quant_block_size, topk = indexer
+        out_latent = torch.ops.pcppass.indexer_sparse_mla_attention(
+            q_latent, q_pe, cache, rows[0], q_idx, weights, indexer_cache, indexer_table, *rows[1:],
+            quant_block_size, topk, scale, ds_mla)
     return torch.einsum("thl,hvl->thv", out_latent, w_uv)
 
 

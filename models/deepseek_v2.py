@@ -30,6 +30,9 @@ from pcppass.models.common import (
     gather_rows,
     linear,
     mla_attend,
+    mla_attend_paged,
+    paged_kernels,
+    paged_rows,
     reference_causal,
     reference_rows,
     request_tables,
@@ -108,6 +111,13 @@ class MLALatentReader:
         out = mla_attend(q_nope, q_pe, kv_c, k_pe, valid, self.kv_b_proj.weight, self.cfg.v_head_dim, self.scale)
         return self.o_proj(out.flatten(1))
 
+    def _out_paged(self, q_nope, q_pe, cache, rows, indexer=None) -> torch.Tensor:
+        """CUDA: :meth:`_out` with a kernel reading ``cache`` through the block table (``rows``:
+        :func:`paged_rows` of the MLA group; ``indexer``: see :func:`mla_attend_paged`)."""
+        out = mla_attend_paged(q_nope, q_pe, cache, rows, self.kv_b_proj.weight, self.cfg.v_head_dim, self.scale,
+                               self.cfg.kv_cache_dtype == "fp8_ds_mla", indexer)
+        return self.o_proj(out.flatten(1))
+
 
 class DeepseekV2MLA(MLALatentReader, nn.Module):
     def __init__(self, cfg: DeepseekV2Config, layer: int) -> None:
@@ -146,6 +156,8 @@ class DeepseekV2MLA(MLALatentReader, nn.Module):
         torch.ops.pcppass.concat_and_cache_mla(
             kv_c, k_pe, cache, meta[slot_key(MLA_GROUP)], self.cfg.kv_cache_dtype, self.k_scale
         )
+        if paged_kernels(x):
+            return self._out_paged(q_nope, q_pe, cache, paged_rows(meta, MLA_GROUP, positions))
         tables = request_tables(meta, MLA_GROUP)
         index, valid = causal_full_rows(tables, positions, self.cfg.block_size)
         kv_rows, pe_rows = self._latent(gather_rows(cache, tables, index, self.cfg.block_size))

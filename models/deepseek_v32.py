@@ -41,6 +41,8 @@ from pcppass.models.common import (
     indexer_roundtrip,
     indexer_scores,
     linear,
+    paged_kernels,
+    paged_rows,
     read_indexer_keys,
     reference_causal,
     reference_rows,
@@ -172,6 +174,10 @@ class DeepseekV32Attention(MLALatentReader, nn.Module):
             cfg.kv_cache_dtype, self.k_scale, cfg.quant_block_size,
         )
         q_nope, q_pe, q_idx, weights = self._queries(x, q_c_normed, positions)
+        if paged_kernels(x):  # fp8 indexer kernel + top-k selection + sparse MLA, through the block tables
+            indexer = (q_idx, weights, indexer_cache, paged_rows(meta, INDEXER_GROUP, positions)[0],
+                       cfg.quant_block_size, cfg.index_topk)
+            return self._out_paged(q_nope, q_pe, kv_cache, paged_rows(meta, MLA_GROUP, positions), indexer)
 
         idx_tables = request_tables(meta, INDEXER_GROUP)
         index, visible = causal_full_rows(idx_tables, positions, cfg.indexer_block_size)

@@ -26,6 +26,8 @@ from pcppass.models.common import (
     causal_full_rows,
     gather_rows,
     linear,
+    paged_kernels,
+    paged_rows,
     reference_causal,
     reference_rows,
     request_tables,
@@ -119,6 +121,13 @@ class LlamaAttention(nn.Module):
         torch.ops.pcppass.reshape_and_cache_flash(
             k, v, key_cache, value_cache, meta[slot_key(KV_GROUP)], self.cfg.kv_cache_dtype, self.k_scale, self.v_scale
         )
+        if paged_kernels(q):  # a kernel reading the paged caches through the block table
+            fp8 = self.cfg.kv_cache_dtype == "fp8"
+            out = torch.ops.pcppass.paged_gqa_attention(
+                q, key_cache, value_cache, *paged_rows(meta, KV_GROUP, positions), self.scale,
+                self.k_scale if fp8 else None, self.v_scale if fp8 else None,
+            )
+            return self.o_proj(out.flatten(1))
         tables = request_tables(meta, KV_GROUP)
         index, valid = causal_full_rows(tables, positions, self.cfg.block_size)
         k_rows = self._stored(gather_rows(key_cache, tables, index, self.cfg.block_size), self.k_scale)

@@ -19,3 +19,14 @@ class SyncChecks:
     compile_fingerprint: bool = True
     #: a rank that compiles alone waits this long for the others, then fails (and aborts the group)
     fingerprint_timeout_s: float = 60.0
+    #: refuse a step whose previous call replaced state (a dict entry, a module buffer) with a
+    #: tensor it computed instead of writing it in place (checked before each call, host only)
+    rebinding: bool = True
+    #: cross-rank digest of the state before and after checked steps: names state that diverged
+    #: although every write the graph shows is synchronised (an under-declared custom op); one
+    #: small all-gather per checked step, skipped while a CUDA graph is being captured
+    state_digest: bool = True
+    #: the first calls of each compiled step that are digest-checked
+    digest_first_steps: int = 4
+    #: afterwards every ``digest_every``-th call is checked (0: never)
+    digest_every: int = 64

@@ -2,7 +2,12 @@
 
     compiled = torch.compile(model, backend=pcppass.backend)              # defaults
     compiled = torch.compile(model, backend="pcppass")                    # entry point
-    compiled = torch.compile(model, backend=PcpBackend(schedule="immediate", inner="aot_eager"))
+    compiled = torch.compile(decode_step, backend=PcpBackend(schedule="deferred"))  # decode-only
+
+The default schedule is ``"immediate"`` (a sync right after each write site), correct for any
+step. ``schedule="deferred"`` (ONE collective per step) is the caller's declaration that the graph
+runs decode-only steps: no rank reads, within the step, rows another rank wrote. A step with
+partitioned prefill breaks that, and no graph analysis can see it, so pcppass never assumes it.
 
 :class:`PcpBackend` is configuration and orchestration around :class:`PcpSyncPass` (the rewrite,
 :mod:`pcppass.rewrite.sync_pass`). On the Dynamo graph it receives, the backend
@@ -12,7 +17,8 @@
    earlier compiles (``sharded_only``);
 3. checks that every rank rewrote the same graph (fingerprints through the c10d store, with a
    timeout), hands the graph to the inner compiler (Inductor, aot_eager or eager) and wraps the
-   compiled step with input validation.
+   compiled step with input validation (:mod:`pcppass.runtime.validate`), the state rebinding
+   check and the cross-rank state digest check (:mod:`pcppass.runtime.state_checks`).
 
 Failures are fail-stop: a rank that fails a check its peers passed (bad inputs on that rank, a
 compile the others did not make) or whose step fails aborts the process group before raising, so
@@ -25,6 +31,7 @@ Each compile appends a :class:`CompileReport` to ``backend.reports``; a runner r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
@@ -39,6 +46,7 @@ from pcppass.rewrite.insert import Schedule, SyncRewrite
 from pcppass.rewrite.sync_pass import Mode, OnUncovered, PcpSyncPass
 from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
 from pcppass.runtime.fingerprint import exchange_fingerprint
+from pcppass.runtime.state_checks import checking_state
 from pcppass.runtime.validate import InputValidator, validating
 
 __all__ = ["CompileReport", "Inner", "OnUncovered", "PcpBackend", "PcpSyncPass", "SyncChecks", "backend"]
@@ -82,7 +90,7 @@ class PcpBackend:
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
-        schedule: Schedule = "deferred",
+        schedule: Schedule = "immediate",
         inner: Inner = "inductor",
         on_uncovered: OnUncovered = "raise",
         dcp_size: int = 1,
@@ -152,6 +160,12 @@ class PcpBackend:
                 del result  # a gloo group closes its connections only once no frame holds it
                 raise_fail_stop(exc, self.group, rank, f"compiling the {self.name} graph")
         compiled = self._compile_inner(gm, example_inputs)
+        checks = self.checks
+        if report.uncovered and self.on_uncovered == "unsafe_ignore":
+            # Uncovered writes diverge on purpose here (a negative control): the digest would only
+            # report the divergence the caller asked for; the caller's own comparison must show it.
+            checks = dataclasses.replace(checks, state_digest=False)
+        compiled = checking_state(compiled, gm, self.group, checks, rank)
         if self.checks.inputs:
             compiled = validating(compiled, InputValidator.from_plan(gm, result.plan, rank=rank))
         return fail_stopping(compiled, self.group, rank, f"the {self.name} step")

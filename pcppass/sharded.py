@@ -80,8 +80,9 @@ class ShardedRunner:
         if mixed_schedule != "immediate":
             # Prefill rows written by one rank are read by another rank in the same step.
             raise ValueError("mixed steps need the immediate schedule (rows are read in the same step)")
+        # Both graphs are compiled with fullgraph=True: each is the whole step.
         common: dict[str, Any] = dict(group=group, inner=inner, on_uncovered=on_uncovered,
-                                      dcp_size=dcp_size, checks=checks)
+                                      dcp_size=dcp_size, checks=checks, whole_step=True)
         self.decode_backend = PcpBackend(schedule=decode_schedule, name="decode", **common)
         self.mixed_backend = PcpBackend(schedule=mixed_schedule, name="mixed", **common)
         self._graphs = {

@@ -63,7 +63,7 @@ def _run_backend(rank: int, world: int, inner: str) -> dict:
     torch._dynamo.reset()
     w = torch.randn(DI, DI, generator=torch.Generator().manual_seed(7))
     scale = torch.ones(())
-    backend = PcpBackend(inner=inner)
+    backend = PcpBackend(schedule="deferred", inner=inner)
     compiled = torch.compile(decode_step, backend=backend, fullgraph=True)
     caches, reference = fresh_caches(), fresh_caches()
     codes: list[str] = []
@@ -146,7 +146,7 @@ def _mismatched(rank: int, world: int, compile_check: bool) -> str:
     checks = SyncChecks(compile_fingerprint=compile_check, fingerprint_timeout_s=30)
     # same sync buffers on both ranks, different graphs
     compiled = torch.compile(_scaled_step(2.0 if rank == 0 else 3.0),
-                             backend=PcpBackend(inner="eager", checks=checks), fullgraph=True)
+                             backend=PcpBackend(schedule="deferred", inner="eager", checks=checks), fullgraph=True)
     w = torch.randn(DI, DI, generator=torch.Generator().manual_seed(7))
     x_all, slots_all = global_step(0, world, 4)
     try:

@@ -1,13 +1,13 @@
 """The benchmark's decode inputs: consistent slots and tables, and replicas equal after sharded steps.
 
-``pcppass bench`` times GPUs only; its step construction (:class:`pcppass.cli.bench.DecodeSetup`,
+``pcppass bench`` times GPUs only; its step construction (:class:`pcppass.bench.inputs.DecodeSetup`,
 round-robin ownership) is checked here on CPU with two gloo ranks and the eager inner compiler.
 """
 
 import pytest
 import torch
 
-from pcppass.cli.bench import DecodeSetup, caches_equal_across_ranks, owned
+from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
 from pcppass.engine.launch import launch
 
 
@@ -57,3 +57,32 @@ def test_sharded_steps_keep_replicas_equal(name, schedule):
     for synced, unsynced in launch(_sharded_steps, 2, name, schedule, backend="gloo", timeout_s=200):
         assert all(synced.values()), synced
         assert not all(unsynced.values())
+
+
+def test_step_report_from_a_recorded_entry():
+    """Derived numbers and tables of the decode-step bench from timings as a run records them."""
+    from pcppass.bench import step_report
+    from pcppass.bench.step import derive
+
+    def timing(ms, graph_ms=None):
+        d = {"slowest_rank_ms": ms, "median_ms": ms}
+        if graph_ms is not None:
+            d["cuda_graph"] = {"captured": True, "slowest_rank_ms": graph_ms}
+        return d
+
+    entry = {"rows_per_rank": 32, "context": 32768, "variants": {
+        "replicated": timing(10.0, 9.0), "immediate": timing(6.0, 5.5), "deferred": timing(5.5, 5.0),
+        "nosync": timing(5.0, 4.9)}, "bare_all_gather_sync_bytes": {"eager_us": 50.0, "graph_us": 25.0}}
+    derive(entry)
+    d = entry["derived"]
+    assert d["ideal_speedup"] == 2.0 and d["deferred_speedup"] == 10.0 / 5.5
+    assert abs(d["deferred_fraction_of_ideal"] - 5.0 / 5.5) < 1e-12
+    assert abs(d["graph_deferred_sync_ms"] - 0.1) < 1e-9 and abs(d["graph_deferred_sync_vs_bare_all_gather"] - 4.0) < 1e-6
+    result = {"environment": {"device": "H200", "date": "d", "torch": "t"},
+              "config": {"world": 2, "sync_kernels": "device", "gather_hidden": True, "size": "full"},
+              "models": {"llama": {"model": "llama", "layers": 2, "params": 1e9, "configs": [entry],
+                                   "smoke": {"deferred": {"replicas_equal": True, "syncs_per_step": [[1, 10, 20]],
+                                                          "transport": "all_gather", "checks": {"inputs": True}}}}}}
+    text = step_report.markdown(result)
+    assert "| 32 | 32768 | 10.000 | 6.000 | 5.500 | 5.000 | 2.000 | 0.500 / **90.9** | 1.000 / **83.3** |" in text
+    assert "transport **all_gather**" in text

@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, case: str):
     recipe, step = CASES[case]
     register_pattern(_pattern(recipe), replace=True)
     torch._dynamo.reset()
-    backend = PcpBackend(inner="eager")
+    backend = PcpBackend(schedule="deferred", inner="eager")
     compiled = torch.compile(step, backend=backend, fullgraph=True)
     memory = torch.zeros(4, 4, 8)
     h = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))

@@ -13,6 +13,7 @@ stages it refuses.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -137,7 +138,7 @@ def pattern(layout):
                         caches=(CacheRole("c", slots="s", layout=layout),))
 
 out = {"default": PcpSyncPass().uuid(), "again": PcpSyncPass().uuid(),
-       "schedule": PcpSyncPass(schedule="immediate").uuid(),
+       "schedule": PcpSyncPass(schedule="deferred").uuid(),
        "checks": PcpSyncPass(checks=SyncChecks(slot_conflicts=False)).uuid(),
        "whole_step": PcpSyncPass(whole_step=True).uuid()}
 register_pattern(pattern(PagedRows()))
@@ -220,6 +221,21 @@ def test_pieces_of_a_split_graph_are_refused(two_fake_ranks):
 
 
 def test_whole_dynamo_graph_is_rewritten_by_the_pass(two_fake_ranks):
-    sync_pass = PcpSyncPass()
+    sync_pass = PcpSyncPass(schedule="deferred")
     result = _dynamo_graph(step, _inputs(), lambda gm: (sync_pass(gm.graph), sync_pass.last_result)[1])
     assert result.mode == "sharded" and result.rewrite.collectives == 1 and result.rewrite.sites == 3
+
+
+def test_graph_break_detection_fails_closed(two_fake_ranks):
+    """Where Dynamo does not say whether the graph is the whole step (here: the pass runs after
+    the compile, with no Dynamo frame to read), the pass refuses to shard unless the caller vouches
+    for it (whole_step=True)."""
+    from pcppass.errors import PcpCoverageError
+
+    def copy_of(gm):
+        return copy.deepcopy(gm)
+
+    later = _dynamo_graph(step, _inputs(), copy_of)
+    with pytest.raises(PcpCoverageError, match="cannot tell whether this graph is the whole step"):
+        PcpSyncPass().apply(copy.deepcopy(later))
+    assert PcpSyncPass(whole_step=True).apply(later).mode == "sharded"

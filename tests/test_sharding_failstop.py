@@ -96,7 +96,7 @@ ATEN_STEPS = {"setitem": (setitem_step, (NB, BS, H * D)), "index_put_": (index_p
 
 def _aten_padding(rank: int, family: str) -> dict:
     step, shape = ATEN_STEPS[family]
-    compiled = torch.compile(step, backend=PcpBackend(inner="eager"), fullgraph=True)
+    compiled = torch.compile(step, backend=PcpBackend(schedule="deferred", inner="eager"), fullgraph=True)
     cache = torch.zeros(shape)
     x = torch.randn(3, H * D, generator=torch.Generator().manual_seed(rank))
     # a step without padding runs and syncs (positive control)
@@ -123,7 +123,7 @@ def graph_break_step(x, slots, caches):
 
 
 def _graph_break(rank: int, on_uncovered: str) -> dict:
-    backend = PcpBackend(inner="eager", on_uncovered=on_uncovered, name=f"break-{on_uncovered}")
+    backend = PcpBackend(schedule="deferred", inner="eager", on_uncovered=on_uncovered, name=f"break-{on_uncovered}")
     compiled = torch.compile(graph_break_step, backend=backend)
     caches = {"k": torch.zeros(NB, BS, H, D), "v": torch.zeros(NB, BS, H, D), "extra": torch.zeros(NB, BS, H * D)}
     x = torch.randn(2, H * D, generator=torch.Generator().manual_seed(rank))
@@ -206,7 +206,7 @@ def _recompile_replicated(rank: int) -> dict:
 
 def _one_rank_bad_slots(rank: int) -> dict:
     compiled = torch.compile(lambda x, s, k, v: _kv(x, s, k, v) or x.sum(1),
-                             backend=PcpBackend(inner="eager", name="asym"), fullgraph=True)
+                             backend=PcpBackend(schedule="deferred", inner="eager", name="asym"), fullgraph=True)
     caches = (torch.zeros(NB, BS, H, D), torch.zeros(NB, BS, H, D))
     compiled(torch.randn(2, H * D), torch.tensor([4, 5]) + 2 * rank, *caches)
     slots = torch.tensor([12, 13]) + 2 * rank
@@ -218,7 +218,7 @@ def _one_rank_bad_slots(rank: int) -> dict:
 def _one_rank_recompile(rank: int) -> dict:
     checks = SyncChecks(fingerprint_timeout_s=6)
     compiled = torch.compile(lambda x, s, k, v: _kv(x, s, k, v) or x.sum(1),
-                             backend=PcpBackend(inner="eager", checks=checks, name="alone"), fullgraph=True)
+                             backend=PcpBackend(schedule="deferred", inner="eager", checks=checks, name="alone"), fullgraph=True)
     caches = (torch.zeros(NB, BS, H, D), torch.zeros(NB, BS, H, D))
     compiled(torch.randn(2, H * D), torch.tensor([4, 5]) + 2 * rank, *caches)
     # rank 1's input arrives transposed: a stride guard fails there only, and rank 1 recompiles

@@ -112,12 +112,14 @@ def test_header_rejects_a_different_fingerprint():
         torch.ops.pcppass.sync_read_header(torch.zeros_like(packed), 1, FP, 1, True)
 
 
-def test_two_ranks_writing_one_slot_is_refused():
-    with pytest.raises(PcpSyncError, match="slot 6 was written by rank 0 and rank 1"):
-        rows._check_slots([torch.tensor([6, -1]), torch.tensor([-1, 6])], 16, "site")
-    with pytest.raises(PcpSyncError, match="outside"):
-        rows._check_slots([torch.tensor([16])], 16, "site")
-    rows._check_slots([torch.tensor([3, 3, -1]), torch.tensor([4, -1, -1])], 16, "site")
+def test_two_ranks_writing_one_slot_keep_the_lowest_ranks_row():
+    applied, problem = rows._one_writer_per_slot([torch.tensor([6, -1]), torch.tensor([-1, 6])], 16, "site")
+    assert "slot 6 was written by ranks [0, 1]" in problem and problem.startswith("site: ")
+    assert [a.tolist() for a in applied] == [[True, False], [False, False]]
+    applied, problem = rows._one_writer_per_slot([torch.tensor([16, 2])], 16, "site")
+    assert "outside" in problem and applied[0].tolist() == [False, True]
+    _, problem = rows._one_writer_per_slot([torch.tensor([3, 3, -1]), torch.tensor([4, -1, -1])], 16, "site")
+    assert problem is None
 
 
 def test_resolved_layout_encoding_is_stable():

@@ -5,8 +5,8 @@ Order of the checks, each an early return with its reason:
 0. a handle argument (vLLM's layer name) of an op whose pattern fetches its caches through it at
    run time: covered when the pattern's resolver is registered and describes caches its layout
    fits, read only when the pattern says the op only reads through it;
-1. the op declares no write but takes a cache-like handle: already marked by the finder;
-   the state (or the written view) is a tensor subclass: the sync copies plain storage rows;
+1. already marked by the finder (a cache handle, an opaque call, a side-effect-only op, unknown
+   storage); the state (or the written view) is a tensor subclass: the sync copies plain rows;
 2. no pattern covers the op: a user Triton kernel, an unknown mutating op, or (for in-place aten
    spellings with no row index: ``add_``, ``fill_``, ``copy_`` into a fixed region) non-row state;
 3. the written tensor is a view the rewrite cannot invert;
@@ -176,11 +176,8 @@ def _written_row_elements(record: StateWrite, role: CacheRole) -> tuple[object, 
         values = node_value(record.bound_args.get("values"))
         if not isinstance(values, torch.Tensor):
             return None  # a Python scalar fills whole rows
-        if layout.kind == "paged_rows":  # a flattened paged view: row i of the view is slot i
-            target, dim = list(written.shape), 0
-        else:
-            target, dim = list(written.shape), layout.dim
-        return _broadcast_row_elements(values.shape, target, dim), f"values {list(values.shape)}"
+        dim = 0 if layout.kind == "paged_rows" else layout.dim  # paged: a flattened view, row = slot
+        return _broadcast_row_elements(values.shape, list(written.shape), dim), f"values {list(values.shape)}"
     if not role.values:
         return None
     total, parts = 0, []

@@ -255,7 +255,7 @@ def _created_since(watched: set[StorageWeakRef], inputs: StepInputs) -> list[str
 def _run_step(compiled: Callable[..., Any], backend: _RecordingBackend, model: Any, inputs: StepInputs,
               step: int, max_bytes: int, report: DynamicReport) -> set[StorageWeakRef]:
     """Snapshot, run one step, record its unexplained changes; the storages it watched."""
-    watch = watch_list(model, inputs, max_bytes)
+    watch = watch_list(model, inputs, max_bytes, collect=step == 0)
     report.blind_spots += [b for b in watch.blind_spots if b not in report.blind_spots]
     before = [_storage_bytes(w.tensor).clone() for w in watch.storages]
     backend.observed.clear()

@@ -133,23 +133,33 @@ def _storage_key(t: torch.Tensor) -> StorageWeakRef | None:
         return None
 
 
-def live_tensors() -> list[torch.Tensor]:
-    """Every real tensor object alive in this process (fake and meta tensors excluded)."""
-    gc.collect()  # garbage (e.g. a dropped graph's example values) is not state
+def live_tensors(collect: bool = True) -> list[torch.Tensor]:
+    """Every real tensor object alive in this process (fake and meta tensors excluded).
+
+    ``collect`` first frees garbage (a dropped graph's example values is not state; a full
+    collection costs a few hundred ms in a large process, so callers skip it where garbage is
+    harmless).
+    """
+    if collect:
+        gc.collect()
+    objects = gc.get_objects()
     # type(o), not isinstance: proxies and objects with a __class__ property must not be asked
-    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    tensor_types = {t for t in set(map(type, objects)) if issubclass(t, torch.Tensor)}
+    tensors = [o for o in objects if type(o) in tensor_types]
     return [t for t in tensors if not is_fake(t) and t.device.type != "meta"]
 
 
-def watch_list(model: Any, inputs: StepInputs, max_bytes: int = DEFAULT_MAX_BYTES) -> WatchList:
+def watch_list(model: Any, inputs: StepInputs, max_bytes: int = DEFAULT_MAX_BYTES,
+               collect: bool = True) -> WatchList:
     """Every storage the step could change, named where a path reaches it; what cannot be watched.
 
-    The step's row inputs (``inputs.dynamic``) are per-step data, not state: excluded.
+    The step's row inputs (``inputs.dynamic``) are per-step data, not state: excluded. Garbage
+    is collected first when ``collect`` (watching a garbage tensor costs only its snapshot).
     """
     row_inputs = {_storage_key(t) for t, _ in inputs.dynamic}
     by_key: dict[StorageWeakRef, Watched] = {}
     unreadable: list[str] = []
-    candidates = named_roots(model, inputs) + [(None, t) for t in live_tensors()]
+    candidates = named_roots(model, inputs) + [(None, t) for t in live_tensors(collect)]
     for name, tensor in candidates:
         for part_name, part in _plain_parts(tensor, name):
             key = _storage_key(part)

@@ -23,6 +23,7 @@ digest catch it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,18 @@ def _module_of(target: object) -> str | None:
 
 
 def _is_known_function(target: object) -> bool:
+    try:
+        return _is_known_cached(target)
+    except TypeError:  # an unhashable callable
+        return _is_known_uncached(target)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_known_cached(target: object) -> bool:
+    return _is_known_uncached(target)
+
+
+def _is_known_uncached(target: object) -> bool:
     module = _module_of(target)
     if module is None:
         return False

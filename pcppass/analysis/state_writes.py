@@ -23,9 +23,20 @@ The bodies of higher-order ops (``torch.utils.checkpoint`` -> ``tag_activation_c
 ``wrap``, ``invoke_subgraph``, ``cond``...) are walked too, their placeholders mapped to the op's
 operands: a write there that reaches state is reported, uncovered, against the higher-order op
 node (the rewrite cannot place sync inside a region body).
-Separately, an operator that declares no write at all but returns only a dependency token and takes
-a cache-like handle (a state tensor or a layer-name string) is reported: it may write state the graph
-cannot see (vLLM's ``unified_kv_cache_update``).
+
+Writes the graph does not spell out are reported too, uncovered, never assumed absent:
+
+* a custom op that takes a cache handle (an opaque ``LayerName``, a layer-name string; see
+  :mod:`pcppass.analysis.handles`), whatever it returns and declares: one record per handle
+  (vLLM's ``unified_kv_cache_update`` and attention ops);
+* a custom op that declares no write and returns only a dependency token: through each cache-like
+  state tensor it takes, or as a side effect when it takes none;
+* an opaque call that receives state or a handle (``allow_in_graph``, ``nonstrict_trace``, a
+  higher-order op without a body; :mod:`pcppass.analysis.opaque`);
+* a write into a tensor whose storage cannot be read (it may be state).
+
+A custom op whose ``mutates_args`` under-declares what it writes cannot be told from one that reads:
+``pcppass audit --dynamic`` (:mod:`pcppass.analysis.dynamic`) and the run-time state digest catch it.
 
 Example, a model whose forward does ``torch.ops.pcppass.reshape_and_cache_flash(k, v,
 caches["k.0"], caches["v.0"], slots, "auto", s, s)`` and ``self.count.add_(1)``::
@@ -418,6 +429,13 @@ def _labelled_inputs(node: torch.fx.Node) -> list[tuple[str, object]]:
     return out
 
 
+def _receives_state(node: torch.fx.Node, aliases: AliasMap) -> bool:
+    """Whether any input is state (or a view of it), or a graph input that may be a handle."""
+    return any(
+        a.op in ("placeholder", "get_attr") or aliases.alias_of(a) is not None for a in node.all_input_nodes
+    )
+
+
 def _opaque_detail(call: OpaqueCall, what: str, label: str, source: str) -> str:
     return (f"{call.op} ({call.kind}) at {source} receives {what} as {label}; the graph cannot see "
             f"what it does with it, so it may write it: make the write visible (a custom op that "
@@ -643,7 +661,7 @@ def find_state_writes(gm: torch.fx.GraphModule, *, classify: bool = True) -> lis
             records += _region_writes(node, aliases, reach, node, aliases, (_hop_name(node),))
         else:
             records += _handle_records(node, defuse, aliases, names)
-        call = None if sites else opaque_call(node, has_body)
+        call = None if sites or not _receives_state(node, aliases) else opaque_call(node, has_body)
         if call is not None:
             records += _opaque_records(node, call, aliases, names)
     if classify:

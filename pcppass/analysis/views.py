@@ -154,6 +154,8 @@ class AliasMap:
         for node in defuse.nodes():
             if node in self._alias or node.op not in ("call_function", "call_method"):
                 continue
+            if not any(a in self._alias for a in node.all_input_nodes):
+                continue  # an alias of state is always computed from one: a fresh tensor
             bases = self._bases_of(node, defuse)
             if len(bases) != 1:
                 continue  # fresh tensor (a temporary), or a tuple over several states

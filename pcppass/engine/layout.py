@@ -186,7 +186,10 @@ def build_local_step(
     groups: Sequence[CacheGroupSpec],
     table_columns: Callable[[str], int],
     device: torch.device | str = "cpu",
+    writes_replicated: bool = True,
 ) -> LocalStep:
+    """``writes_replicated=False``: this rank runs the replicated rows but writes none of their
+    cache rows (slot -1 in every group); another rank's write reaches it through the step's sync."""
     t_pad = plan.padded_tokens
     r_pad = t_pad  # one size for every per-row and per-request dim (contract.py)
     segs = plan.segments[rank]
@@ -203,6 +206,7 @@ def build_local_step(
     t = 0
     for k, s in enumerate(segs):
         row = step.rows[s.row]
+        writes = writes_replicated or plan.owners[s.row] != ALL_RANKS
         for j in range(s.start, s.stop):
             ids[t] = row.token_ids[j]
             pos[t] = row.start_position + j
@@ -210,7 +214,7 @@ def build_local_step(
             is_pad[t] = False
             gidx[t] = offsets[s.row] + j
             for g in groups:
-                slots[g.name][t] = row.slots[g.name][j]
+                slots[g.name][t] = row.slots[g.name][j] if writes else -1
             t += 1
         for g in groups:
             tab = row.block_table[g.name]
@@ -251,13 +255,15 @@ def validate_plan(
     groups: Sequence[CacheGroupSpec],
     num_blocks: Callable[[str], int],
     is_shared: Callable[[str, int], bool] | None = None,
+    replicated_writers: Literal["every_rank", "first_rank"] = "every_rank",
 ) -> None:
     """Check every rank's writes before a step runs.
 
     Per group: slot mappings are int64 ``[T]``; padding rows carry -1; every valid slot lies in
     the cache and in a block of its own request's table (never a block shared through the prefix
     cache); each valid slot is written by exactly one global token, and that token is run by
-    exactly the ranks the plan gives it (its owner, or every rank for a replicated row).
+    exactly the ranks the plan gives it (its owner, or every rank for a replicated row; rank 0
+    alone with ``replicated_writers="first_rank"``, the other ranks giving those rows slot -1).
     Raises :class:`PlanError` naming the step, request, group and slot.
     """
     offsets = step.row_offsets()
@@ -298,6 +304,8 @@ def validate_plan(
                     continue
                 row = step.rows[row_of_token[g]]
                 planned = row.slots[name][g - offsets[row_of_token[g]]]
+                if plan.owners[row_of_token[g]] == ALL_RANKS and replicated_writers == "first_rank" and ls.rank:
+                    planned = -1
                 if slot != planned:
                     raise PlanError(f"{where(g, name, slot)}: rank {ls.rank} writes it, the global plan says {planned}")
                 if slot < 0:
@@ -317,8 +325,10 @@ def validate_plan(
                 writers.setdefault(g, set()).add(ls.rank)
         for g, ranks in writers.items():
             owner = plan.owners[row_of_token[g]]
-            expected = set(range(plan.world)) if owner == ALL_RANKS else None
+            expected = None
+            if owner == ALL_RANKS:
+                expected = {0} if replicated_writers == "first_rank" else set(range(plan.world))
             if expected is None and len(ranks) != 1 or expected is not None and ranks != expected:
                 slot = step.rows[row_of_token[g]].slots[name][g - offsets[row_of_token[g]]]
-                want = "every rank" if expected else "exactly one rank"
+                want = {None: "exactly one rank", 1: "rank 0 only"}.get(expected and len(expected), "every rank")
                 raise PlanError(f"{where(g, name, slot)}: written by ranks {sorted(ranks)}, expected {want}")

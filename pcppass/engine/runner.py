@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,6 +111,11 @@ class EngineConfig:
     buckets: Sequence[int] | None = None
     validate: bool = True
     record_digests: bool = False
+    #: in mixed steps, which ranks write a replicated row's cache rows: every rank (its own copy),
+    #: or the first rank alone, whose rows the runner's sync brings to the others (vLLM's PCP
+    #: write mask before decode sharding: replicated decode rows written once). Decode-only steps
+    #: always write on every rank.
+    mixed_replicated_writer: Literal["every_rank", "first_rank"] = "every_rank"
 
 
 class Engine:
@@ -223,10 +228,17 @@ class Engine:
             step, self.world, self.policy, partition_prefill=self.partition_prefill, buckets=self.config.buckets
         )
         ranks = range(self.world) if self.config.validate else [self.rank]
+        first_only = self._replicated_writers(step) == "first_rank"
         locals_ = [
-            build_local_step(step, plan, r, self.groups, self.table_columns, self.device) for r in ranks
+            build_local_step(step, plan, r, self.groups, self.table_columns, self.device,
+                             writes_replicated=not first_only or r == 0)
+            for r in ranks
         ]
         return plan, locals_
+
+    def _replicated_writers(self, step: GlobalStep) -> str:
+        return "first_rank" if step.step_kind == "mixed" and self.config.mixed_replicated_writer == "first_rank" \
+            else "every_rank"
 
     def execute(self, step: GlobalStep) -> StepRecord:
         """Run a scheduled step. A :class:`PlanError` leaves caches and requests untouched."""
@@ -235,7 +247,8 @@ class Engine:
         if step.rows:  # a step with no rows (nothing arrived yet) is the same on every rank
             plan, locals_ = self.plan(step)
             if self.config.validate:
-                validate_plan(step, plan, locals_, self.groups, self.num_blocks, self.scheduler.kv.is_shared)
+                validate_plan(step, plan, locals_, self.groups, self.num_blocks, self.scheduler.kv.is_shared,
+                              self._replicated_writers(step))
             local = locals_[self.rank] if self.config.validate else locals_[0]
             hidden = self.runner(local.input_ids, local.positions, local.meta, self.caches, step.step_kind)
             if hidden.dim() != 2 or hidden.shape[0] != local.num_tokens:

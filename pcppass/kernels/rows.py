@@ -295,29 +295,40 @@ def scatter_rows_reference(
     group_name: str,
     site: str,
     check_conflicts: bool,
-) -> None:
+) -> str | None:
     """Write every other rank's rows (from ``gathered``) into this rank's replica of ``cache``.
 
     Slot -1 rows are skipped and this rank's own rows are left as its local op wrote them. With
-    ``check_conflicts``, a slot written by two ranks in one step raises (two owners for one row).
+    ``check_conflicts``, slots outside the cache are skipped and a slot written by two ranks in
+    one step gets the lowest such rank's row on EVERY replica (its other writers included), so
+    the replicas stay identical; the problem is returned (None if there is none) for the caller
+    to raise once every cache of the op is written.
     """
     (lay,) = decode_layouts(layout)
     world = index.shape[0]
     me = _group_rank(group_name)
-    limit = num_slots(cache, lay)
     all_slots = [_segment(gathered, index, r, slots_segment).clone().view(torch.int64)
                  for r in range(world)]
+    problem = None
     if check_conflicts:
-        _check_slots(all_slots, limit, site)
+        applied, problem = _one_writer_per_slot(all_slots, num_slots(cache, lay), site)
+    else:
+        applied = [slots >= 0 for slots in all_slots]
     for r in range(world):
-        if r == me:
+        if r == me or not bool(applied[r].any()):
             continue
         slots = all_slots[r]
-        valid = slots >= 0
-        if not bool(valid.any()):
-            continue
         rows = _segment(gathered, index, r, rows_segment).view(slots.numel(), lay.bytes_per_row)
-        write_rows(cache, slots[valid], rows[valid], lay)
+        write_rows(cache, slots[applied[r]], rows[applied[r]], lay)
+    return problem
+
+
+def _raise_sync_problems(problems: list[str | None]) -> None:
+    found = [p for p in problems if p is not None]
+    if found:
+        from pcppass.errors import PcpSyncError
+
+        raise PcpSyncError("; ".join(found))
 
 
 @torch.library.custom_op("pcppass::sync_scatter_rows", mutates_args=("cache",))
@@ -333,8 +344,8 @@ def sync_scatter_rows(
     check_conflicts: bool,
 ) -> None:
     """One cache's scatter (:func:`scatter_rows_reference`)."""
-    scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment, layout, group_name, site,
-                           check_conflicts)
+    _raise_sync_problems([scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment,
+                                                 layout, group_name, site, check_conflicts)])
 
 
 @sync_scatter_rows.register_fake
@@ -365,9 +376,13 @@ def sync_scatter_rows_all(
     labels = site_labels(sites, len(caches))
     if not (len(caches) == len(rows_segments) == len(slots_segments) == len(decoded)):
         raise ValueError("sync_scatter_rows_all: caches, segments and layouts differ in length")
-    for cache, rows_segment, slots_segment, lay, site in zip(caches, rows_segments, slots_segments, decoded, labels):
+    problems = [
         scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment, encode_layout(lay),
                                group_name, site, check_conflicts)
+        for cache, rows_segment, slots_segment, lay, site in zip(caches, rows_segments, slots_segments,
+                                                                 decoded, labels)
+    ]
+    _raise_sync_problems(problems)  # after every cache is written: the replicas stay identical
 
 
 def site_labels(sites: str, count: int) -> list[str]:
@@ -384,21 +399,40 @@ def _sync_scatter_rows_all_fake(caches, gathered, index, rows_segments, slots_se
     return None
 
 
-def _check_slots(all_slots: list[torch.Tensor], limit: int, site: str) -> None:
-    from pcppass.errors import PcpSyncError
+def _one_writer_per_slot(all_slots: list[torch.Tensor], limit: int,
+                         site: str) -> tuple[list[torch.Tensor], str | None]:
+    """Per rank, which of its rows every other replica applies, and what was wrong (or None).
 
-    owners: dict[int, int] = {}
+    A row is applied if its slot is in ``[0, limit)`` and no lower rank wrote the same slot in
+    this step: every replica makes the same choice from the same gathered slots.
+    """
+    problems = []
+    writers: dict[int, list[int]] = {}
+    applied = []
     for r, slots in enumerate(all_slots):
-        bad = slots[(slots < -1) | (slots >= limit)]
-        if bad.numel():
-            raise PcpSyncError(f"{site}: rank {r} wrote slot {int(bad[0])}, outside [-1, {limit})")
-        for s in torch.unique(slots[slots >= 0]).tolist():
-            other = owners.setdefault(s, r)
-            if other != r:
-                raise PcpSyncError(
-                    f"{site}: slot {s} was written by rank {other} and rank {r} in the same step; "
-                    "every row must have exactly one owner per step"
-                )
+        outside = (slots < -1) | (slots >= limit)
+        if bool(outside.any()):
+            problems.append(f"rank {r} wrote slot {int(slots[outside][0])}, outside [-1, {limit}): "
+                            "no replica applied it")
+        keep = (slots >= 0) & ~outside
+        for i in keep.nonzero().flatten().tolist():
+            ranks = writers.setdefault(int(slots[i]), [])
+            if ranks and ranks[0] != r:
+                keep[i] = False
+            if r not in ranks:
+                ranks.append(r)
+        applied.append(keep)
+    conflicts = {s: ranks for s, ranks in writers.items() if len(ranks) > 1}
+    if conflicts:
+        slot, ranks = min(conflicts.items())
+        more = f" (and {len(conflicts) - 1} more slot(s))" if len(conflicts) > 1 else ""
+        problems.append(
+            f"slot {slot} was written by ranks {ranks} in the same step{more}; every row must have "
+            f"exactly one owner per step. Every replica now holds rank {ranks[0]}'s row for it (the "
+            "lowest writing rank's), so the replicas are identical, but this step's outputs are "
+            "not to be trusted"
+        )
+    return applied, (f"{site}: " + "; ".join(problems)) if problems else None
 
 
 @torch.library.custom_op("pcppass::sync_unpack", mutates_args=())

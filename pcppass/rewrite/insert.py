@@ -68,6 +68,7 @@ import torch.fx
 
 import pcppass.kernels.rows  # noqa: F401  (registers the pcppass::sync_* ops)
 from pcppass.analysis.views import node_value
+from pcppass.errors import PcpSyncError
 from pcppass.kernels.rows import encode_layout
 from pcppass.rewrite.plan import CacheRef, ContextRef, PlanError, SyncPlan, SyncSite
 from pcppass.spec import Recipe, ResolvedLayout
@@ -197,17 +198,26 @@ class _SegmentCollector:
         self.snapshot = snapshot
         self.payloads: list[torch.fx.Node] = []
         self._payload_index: dict[tuple[torch.fx.Node, int], int] = {}
-        self._snapshots: dict[tuple[torch.fx.Node, torch.fx.Node], torch.fx.Node] = {}
+        #: (site node, tensor, "before" | "after" the site) -> its copy
+        self._snapshots: dict[tuple[torch.fx.Node, torch.fx.Node, str], torch.fx.Node] = {}
 
-    def as_sent(self, site: SyncSite, node: torch.fx.Node) -> torch.fx.Node:
+    def as_sent(self, site: SyncSite, node: torch.fx.Node, *, mutated_by_op: bool = False) -> torch.fx.Node:
         """``node`` as the site consumed it. Under the deferred schedule the sync runs long after
         the site, so a tensor the graph computed is copied right after the site: a later in-place
         update (``x.add_(...)``) must not change what the replicas re-run on or which slots they
         fill. Graph inputs are state-checked by the analysis (a write to one is reported) and are
-        sent as they are."""
+        sent as they are. An input the op itself writes (``mutated_by_op``) is copied right
+        BEFORE the site, under either schedule: the replicas must re-run on what the owner's op
+        read, not on what it left."""
+        if mutated_by_op:
+            key = (site.node, node, "before")
+            if key not in self._snapshots:
+                with self.emit.graph.inserting_before(site.node):
+                    self._snapshots[key] = self.emit.call(torch.clone, node)
+            return self._snapshots[key]
         if not self.snapshot or node.op == "placeholder":
             return node
-        key = (site.node, node)
+        key = (site.node, node, "after")
         if key not in self._snapshots:
             with self.emit.graph.inserting_after(site.node):
                 self._snapshots[key] = self.emit.call(torch.clone, node)
@@ -241,8 +251,11 @@ def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot:
                 slots = collector.as_sent(site, cache.slots)
                 copies.append((site, cache, slots, collector.payload(slots)))
         else:
-            reruns.append((site, {name: collector.payload(collector.as_sent(site, site.arguments[name]), dim)
-                                  for name, dim in site.row_args.items()}))
+            reruns.append((site, {
+                name: collector.payload(collector.as_sent(site, site.arguments[name],
+                                                          mutated_by_op=name in site.mutated_row_args), dim)
+                for name, dim in site.row_args.items()
+            }))
     first_payload = len(copies)
     rows = tuple(
         CacheRows(site, cache.state, cache.cache, slots, cache.layout, rows_segment=i,
@@ -536,6 +549,14 @@ def insert_sync(
     """Insert the sync of every site of ``plan`` into ``gm`` (in place) and recompile it."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: expected 'deferred' or 'immediate'")
+    hazards = plan.deferred_replay_hazards() if schedule == "deferred" else []
+    if hazards:
+        raise PcpSyncError(
+            "pcppass: the deferred schedule would re-run write sites on bytes their owner never "
+            "read: " + "; ".join(hazards) + ". Those rows are sent as they are at the end of the "
+            "step. Compile this step with schedule='immediate' (each site synced right after it), "
+            "or write each row once per step."
+        )
     graph = gm.graph
     emit = GraphEmitter(graph)
     group = SyncGroup(group_name, world_size, verify_header, check_conflicts)

@@ -15,10 +15,11 @@ from typing import Any, Sequence, Union
 
 import torch
 import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from pcppass.analysis.classify import ContextUnresolved, cache_role, context_layouts
 from pcppass.analysis.records import StateWrite
-from pcppass.analysis.schema import bind_call
+from pcppass.analysis.schema import bind_call, resolve_overload, written_args
 from pcppass.analysis.views import fake_value, node_value
 from pcppass.spec import CacheRole, Recipe, ResolvedLayout, WritePattern, qualified_op_name
 
@@ -70,6 +71,9 @@ class SyncSite:
     #: re-run sites: per-row inputs (schema name -> row dim), slot arguments among them
     row_args: dict[str, int] = field(default_factory=dict)
     slot_args: tuple[str, ...] = ()
+    #: re-run sites: per-row inputs the op itself writes (its schema marks them ``(a!)``): what
+    #: the replicas re-run on must be copied before the op runs
+    mutated_row_args: tuple[str, ...] = ()
 
     @property
     def recipe(self) -> Recipe:
@@ -106,9 +110,51 @@ class SyncPlan:
     def describe(self) -> str:
         return "\n".join(site.describe() for site in self.sites)
 
+    def deferred_replay_hazards(self) -> list[str]:
+        """Re-run sites the deferred schedule would replay on the wrong bytes.
+
+        The deferred sync packs every cache's rows at the END of the step and applies them in
+        graph order before each re-run. A re-run site that reads a cache written both before it
+        (those rows are synced ahead of the re-run) and after it (so the rows sent are the later
+        bytes, not those the owner's op read) would re-run on other replicas over bytes the owner
+        never saw. Slots are run-time values, so any such cache counts.
+        """
+        hazards = []
+        for b, site in enumerate(self.sites):
+            if site.recipe is not Recipe.RERUN:
+                continue
+            read = storages_of(site.arguments.values())
+            for c in read:
+                before = [s for s in self.sites[:b] if c in written_storages(s)]
+                after = [s for s in self.sites[b + 1:] if c in written_storages(s)]
+                if before and after:
+                    hazards.append(f"{site.label} reads a cache written before it by {before[0].label} "
+                                   f"and again after it by {after[0].label}")
+                    break
+        return hazards
+
     @property
     def caches(self) -> list[CacheSync]:
         return [c for site in self.sites for c in site.caches]
+
+
+def storages_of(values: Any) -> set[StorageWeakRef]:
+    """Storages of the fake tensors of graph values (nodes, lists of nodes; constants skipped)."""
+    found = set()
+    for value in values:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            fake = node_value(item) if isinstance(item, torch.fx.Node) else None
+            if isinstance(fake, torch.Tensor):
+                try:
+                    found.add(StorageWeakRef(fake.untyped_storage()))
+                except (RuntimeError, NotImplementedError):  # no storage: nothing to compare
+                    pass
+    return found
+
+
+def written_storages(site: SyncSite) -> set[StorageWeakRef]:
+    return storages_of(c.cache for c in site.caches if isinstance(c.cache, torch.fx.Node))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +237,12 @@ def _context_caches(write: StateWrite, arguments: dict[str, Any]) -> list[CacheS
             for role, layout in zip(roles, layouts)]
 
 
+def _written_arg_names(node: torch.fx.Node) -> list[str]:
+    """Arguments the op's schema marks as written (none for calls without a schema)."""
+    overload = resolve_overload(node.target, node.args, dict(node.kwargs)) if node.op == "call_function" else None
+    return written_args(overload._schema) if overload is not None else []
+
+
 def plan_sync(writes: Sequence[StateWrite]) -> SyncPlan:
     """Group covered writes into sites in graph order and resolve what each site syncs.
 
@@ -229,6 +281,7 @@ def plan_sync(writes: Sequence[StateWrite]) -> SyncPlan:
             for name in site.row_args:
                 _tensor_node(arguments, name, where)
             site.slot_args = tuple(sorted({r.slots for r in pattern.caches} & set(site.row_args)))
+            site.mutated_row_args = tuple(name for name in _written_arg_names(node) if name in site.row_args)
             missing = {r.slots for r in pattern.caches} - set(site.row_args)
             if missing:
                 raise PlanError(f"{where}: re-run pattern {pattern.name} must list slot args "

@@ -74,31 +74,36 @@ def is_dynamo_graph_module(gm: torch.fx.GraphModule) -> bool:
     return all(key in gm.meta for key in _DYNAMO_GM_META)
 
 
-def graph_breaks() -> list[str]:
-    """The graph break that ends the graph being compiled, and whether it resumes after one.
+def graph_breaks(gm: torch.fx.GraphModule) -> list[str] | None:
+    """The graph break that ends ``gm``, and whether it resumes after one; None: cannot tell.
 
     A step split into several graphs runs the code between them eagerly, unseen by the analysis:
-    a graph that ends in a break, or a resume function's graph, is not the whole step. Read from
-    the frame Dynamo is translating; this is Dynamo internals (checked on torch 2.13), so anything
-    unexpected disables the check with a debug log instead of failing the compile.
+    a graph that ends in a break, or a resume function's graph, is not the whole step. Dynamo says
+    neither in a public API: the compile reason is read from the graph module (torch >= 2.12) or
+    the frame Dynamo is translating, the frame's code name from that frame. Anything missing or
+    unexpected returns None, and the caller refuses to shard unless told the graph is whole.
     """
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
-        reason = tx.output.compile_subgraph_reason
         code_name = tx.f_code.co_name
-        found = []
-        if reason is not None and reason.graph_break:
-            where = ""
-            if reason.user_stack:
-                frame = reason.user_stack[-1]
-                where = f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
-            found.append(f"graph break{where}: {reason.reason.strip().splitlines()[0]}")
-        if code_name.startswith("torch_dynamo_resume_in_"):
-            found.append(f"graph resumes after a graph break ({code_name}): the code before it ran "
-                         "eagerly")
-        return found
-    except Exception as exc:  # other torch versions: no detection rather than a failed compile
+        reason = getattr(gm, "compile_subgraph_reason", None) or tx.output.compile_subgraph_reason
+        graph_break = reason.graph_break
+        user_stack = reason.user_stack
+        text = reason.reason
+    except Exception as exc:  # Dynamo internals moved, or no Dynamo compile is running
         log.debug("pcppass: graph-break detection unavailable: %r", exc)
-        return []
+        return None
+    if not isinstance(code_name, str) or not isinstance(graph_break, bool):
+        return None
+    found = []
+    if graph_break:
+        where = ""
+        if user_stack:
+            frame = user_stack[-1]
+            where = f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+        found.append(f"graph break{where}: {str(text).strip().splitlines()[0]}")
+    if code_name.startswith("torch_dynamo_resume_in_"):
+        found.append(f"graph resumes after a graph break ({code_name}): the code before it ran eagerly")
+    return found

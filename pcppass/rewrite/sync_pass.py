@@ -42,6 +42,7 @@ from pcppass.rewrite.insert import (
     SCHEDULES, AllGatherTransport, Schedule, SyncRewrite, TransportFactory, insert_sync,
 )
 from pcppass.rewrite.plan import SyncPlan, plan_sync
+from pcppass.rewrite.slot_checks import insert_slot_checks
 from pcppass.rewrite.stage import check_graph_stage, graph_breaks, is_dynamo_graph_module
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ _SOURCE_MODULES = (
     "pcppass.analysis.classify", "pcppass.analysis.defuse", "pcppass.analysis.records",
     "pcppass.analysis.schema", "pcppass.analysis.state_writes", "pcppass.analysis.views",
     "pcppass.checks", "pcppass.kernels.rows", "pcppass.registry", "pcppass.rewrite.insert",
-    "pcppass.rewrite.plan", "pcppass.rewrite.stage", "pcppass.rewrite.sync_pass", "pcppass.spec",
+    "pcppass.rewrite.plan", "pcppass.rewrite.slot_checks", "pcppass.rewrite.stage",
+    "pcppass.rewrite.sync_pass", "pcppass.runtime.validate", "pcppass.spec",
 )
 
 
@@ -88,7 +90,11 @@ class PcpSyncPass(CustomGraphPass):
     """The sync rewrite of one decode step's Dynamo graph (see the module docstring).
 
     ``group``: process group of the PCP ranks (default: the world group, resolved when the pass
-    runs). ``dcp_size > 1``: the cache itself is sharded, so decode stays replicated.
+    runs). ``schedule``: ``"immediate"`` (the default: a sync right after each write site, correct
+    for any step) or ``"deferred"`` (one collective at the end of the step), which the caller
+    chooses only for decode-only graphs: it is wrong when a rank reads, within the step, rows
+    another rank wrote (partitioned prefill), and nothing in the graph can tell.
+    ``dcp_size > 1``: the cache itself is sharded, so decode stays replicated.
     ``whole_step``: the caller guarantees the graph is the whole step (compiled with
     ``fullgraph=True``), for graphs where pcppass cannot tell by itself; a graph break it does
     detect is refused regardless. ``transport``: how each collective moves the rows.
@@ -98,7 +104,7 @@ class PcpSyncPass(CustomGraphPass):
         self,
         group: dist.ProcessGroup | None = None,
         *,
-        schedule: Schedule = "deferred",
+        schedule: Schedule = "immediate",
         on_uncovered: OnUncovered = "raise",
         dcp_size: int = 1,
         checks: SyncChecks = SyncChecks(),
@@ -188,6 +194,8 @@ class PcpSyncPass(CustomGraphPass):
             log.warning("pcppass: %d uncovered write(s) and %d graph break(s) left unsynchronised "
                         "(unsafe_ignore)", len(uncovered), len(breaks))
         plan = plan_sync([w for w in writes if w.covered])
+        if self.checks.inputs:
+            insert_slot_checks(gm, plan, group_name=group.group_name, world_size=world)
         rewrite = insert_sync(
             gm, plan, schedule=self.schedule, group_name=group.group_name, world_size=world,
             verify_header=self.checks.header, check_conflicts=self.checks.slot_conflicts,
@@ -207,4 +215,12 @@ class PcpSyncPass(CustomGraphPass):
                 "if the graph is the whole step (compiled with fullgraph=True), say so with "
                 "whole_step=True."
             )
-        return graph_breaks()
+        breaks = graph_breaks(gm)
+        if breaks is None:
+            if self.whole_step:
+                return []
+            return ["cannot tell whether this graph is the whole step: graph-break detection reads "
+                    f"Dynamo internals that this torch ({torch.__version__}) does not provide, or no "
+                    "Dynamo compile is running. If the step compiles as one graph "
+                    "(torch.compile(..., fullgraph=True)), say so with whole_step=True"]
+        return breaks

@@ -121,7 +121,7 @@ class InputValidator:
                 if c.slots not in index:
                     continue  # computed in the graph, not an input
                 check = SlotInputCheck(index[c.slots], c.slots.name, site.op, c.state, site.source,
-                                       rows, _num_slots_expr(_fake(c.cache), c.layout),
+                                       rows, num_slots_expr(_fake(c.cache), c.layout),
                                        site.pattern.aten_family)
                 key = (index[c.slots], c.state)
                 # one mapping feeding a skipping op and an aten write: the aten rule is stricter
@@ -178,7 +178,7 @@ def _row_count(site) -> Any:
     return None
 
 
-def _num_slots_expr(cache: torch.Tensor, layout) -> Any:
+def num_slots_expr(cache: torch.Tensor, layout) -> Any:
     if layout.kind == "paged_rows":
         return _expr(cache.shape[0]) * _expr(cache.shape[1])
     if layout.kind == "block_split":
@@ -210,3 +210,72 @@ def validating(compiled: Callable, validator: InputValidator) -> Callable:
         return compiled(*args)
 
     return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Slot mappings the graph computes: checked inside the graph, agreed on by every rank
+# ---------------------------------------------------------------------------------------------
+#
+# A computed slot mapping exists only on its rank, and only once the graph has run up to it. The
+# rewrite (:mod:`pcppass.rewrite.slot_checks`) emits, before the step's first write:
+#
+#     record   = pcppass::slot_check_record(slots, limits, rows, aten)            # this rank
+#     gathered = wait_tensor(all_gather_into_tensor(record, world, group))        # every rank
+#     checked  = pcppass::slot_check_verdict(gathered, slots, labels, aten)        # raises
+#
+# and the writes take ``checked`` (the same values) as their slots, so they run after the verdict.
+# Every rank sees every rank's record: all raise the same PcpInputError, or none does.
+
+#: record columns: problem code, the offending value, the bound it broke
+_OK, _LENGTH, _RANGE = 0, 1, 2
+
+
+@torch.library.custom_op("pcppass::slot_check_record", mutates_args=())
+def slot_check_record(slots: list[torch.Tensor], limits: list[int], rows: list[int],
+                      aten: list[bool]) -> torch.Tensor:
+    """``[n, 3]`` int64: for each slot mapping, (problem, value, bound) on this rank. ``limits``:
+    slots of the cache it addresses; ``rows``: rows of its op (-1: unknown); ``aten``: an aten
+    index write, where negative slots are refused too."""
+    out = torch.zeros(len(slots), 3, dtype=torch.int64)
+    for i, (s, limit, expected, is_aten) in enumerate(zip(slots, limits, rows, aten)):
+        s = s.reshape(-1)
+        if expected >= 0 and s.numel() != expected:
+            out[i] = torch.tensor([_LENGTH, s.numel(), expected])
+            continue
+        bad = s[(s < (0 if is_aten else -1)) | (s >= limit)]
+        if bad.numel():
+            out[i] = torch.tensor([_RANGE, int(bad[0]), limit])
+    return out.to(slots[0].device)
+
+
+@slot_check_record.register_fake
+def _slot_check_record_fake(slots, limits, rows, aten):
+    return slots[0].new_empty((len(slots), 3), dtype=torch.int64)
+
+
+@torch.library.custom_op("pcppass::slot_check_verdict", mutates_args=())
+def slot_check_verdict(gathered: torch.Tensor, slots: list[torch.Tensor], labels: str,
+                       aten: list[bool]) -> list[torch.Tensor]:
+    """Raise on every rank if any rank's record shows a problem; else ``slots`` (copies)."""
+    records = gathered.view(-1, len(slots), 3).cpu()
+    names = labels.split("\n")
+    for rank, record in enumerate(records):
+        for i, (code, value, bound) in enumerate(record.tolist()):
+            if code == _OK:
+                continue
+            what = (f"has {value} slots for {bound} rows" if code == _LENGTH
+                    else f"holds slot {value}, outside [{0 if aten[i] else -1}, {bound}) of the cache")
+            aten_note = (" (an aten index write takes -1 as the LAST row: mask padding rows in the "
+                         "model or write through an op that skips slot -1)" if code == _RANGE and aten[i]
+                         and value < 0 else "")
+            raise PcpInputError(
+                f"rank {rank}: {names[i]}: the slot mapping computed in the graph {what}{aten_note}. "
+                "Checked on every rank before the step wrote any state: every rank refuses this "
+                "step and every replica is unchanged."
+            )
+    return [s.clone() for s in slots]
+
+
+@slot_check_verdict.register_fake
+def _slot_check_verdict_fake(gathered, slots, labels, aten):
+    return [torch.empty_like(s) for s in slots]

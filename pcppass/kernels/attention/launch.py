@@ -1,0 +1,286 @@
+"""Launchers of the paged attention kernels: shapes, program tiles, splits, kernel choice.
+
+Each launcher takes the step's meta tensors as the model contract defines them
+(:mod:`pcppass.engine.contract`: per-row ``positions``, ``token_to_req``, ``is_padding``,
+``query_start_loc``, one block-table row per local request) and reads the caches through the block
+table; nothing is gathered into a contiguous copy and nothing is read back to the host, so a step
+that calls them can be captured in a CUDA graph.
+
+Program tiles (:func:`tile_schedule`): a step of at most :data:`ROW_MODE_MAX_ROWS` rows (decode) runs
+one program per row, its keys split into fixed ranges (flash-decoding); a larger step (prefill
+chunks) runs tiles of consecutive rows of one request, all heads of a KV head stacked into the
+tile, each tile over all its keys. Split sizes are constants, so a row's arithmetic does not depend
+on the other rows of the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+#: steps with at most this many rows run one program per row (decode shapes)
+ROW_MODE_MAX_ROWS = 256
+#: keys per split in per-row mode (a multiple of every key tile)
+GQA_SPLIT = 2048
+MLA_SPLIT = 1024
+SPARSE_SPLIT = 512
+INDEXER_CHUNK = 512
+#: one split covering every key (tile mode; a single-split row)
+NO_SPLIT = 1 << 30
+#: query rows x heads stacked into one tile in tile mode
+TILE_M = 64
+MIN_DOT = 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def kernels() -> ModuleType:
+    """The Triton kernel module for the Triton mode in force (``TRITON_INTERPRET=1``: interpreted)."""
+    from triton import knobs
+
+    return _kernel_module(bool(knobs.runtime.interpret))
+
+
+@functools.cache
+def _kernel_module(interpret: bool) -> ModuleType:
+    """A second copy of the module is imported when interpreting, so compiled and interpreted
+    kernels never mix (``triton.jit`` picks its mode when it decorates)."""
+    if not interpret:
+        return importlib.import_module("pcppass.kernels.attention.triton_kernels")
+    path = Path(__file__).with_name("triton_kernels.py")
+    spec = importlib.util.spec_from_file_location("pcppass.kernels.attention.triton_kernels_interpreted", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Program tiles of a step: per tile its request, first row and number of rows (0: idle)."""
+
+    row_mode: bool
+    rows_per_tile: int
+    count: int
+    req: torch.Tensor | None = None
+    row0: torch.Tensor | None = None
+    nrows: torch.Tensor | None = None
+
+
+def tile_schedule(query_start_loc: torch.Tensor, num_rows: int, rows_per_tile: int) -> Tiles:
+    """Tiles of ``rows_per_tile`` consecutive rows of one local request, computed on the device.
+
+    ``query_start_loc [R + 1]`` gives each request's rows; the number of tiles is at most
+    ``ceil(T / rows_per_tile) + R`` (every request adds at most one partial tile), so the grid has a
+    size known from the shapes; tiles past the last one have 0 rows.
+    """
+    if num_rows <= ROW_MODE_MAX_ROWS or rows_per_tile == 1:
+        return Tiles(True, 1, num_rows)
+    starts, ends = query_start_loc[:-1], query_start_loc[1:]
+    per_req = (ends - starts + rows_per_tile - 1) // rows_per_tile
+    last = torch.cumsum(per_req, 0)
+    count = -(-num_rows // rows_per_tile) + starts.shape[0]
+    tile = torch.arange(count, device=query_start_loc.device)
+    req = torch.searchsorted(last, tile, right=True).clamp_max(starts.shape[0] - 1)
+    row0 = starts[req] + (tile - (last[req] - per_req[req])) * rows_per_tile
+    nrows = torch.where(tile < last[-1], torch.minimum(ends[req] - row0, torch.full_like(row0, rows_per_tile)), 0)
+    return Tiles(False, rows_per_tile, count, req, row0, nrows)
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The step meta the kernels read (contract names)."""
+
+    tables: torch.Tensor
+    positions: torch.Tensor
+    token_to_req: torch.Tensor
+    query_start_loc: torch.Tensor
+    is_padding: torch.Tensor
+
+    def tile_args(self, tiles: Tiles) -> tuple:
+        dummy = self.positions
+        return (self.positions, self.token_to_req, self.is_padding,
+                tiles.req if tiles.req is not None else dummy,
+                tiles.row0 if tiles.row0 is not None else dummy,
+                tiles.nrows if tiles.nrows is not None else dummy)
+
+
+def _splits(tiles: Tiles, span: int, split: int) -> tuple[int, int]:
+    """(number of splits, keys per split): fixed ranges in row mode, one split in tile mode."""
+    if tiles.row_mode and span > split:
+        return -(-span // split), split
+    return 1, NO_SPLIT
+
+
+def _outputs(t: int, heads: int, dv: int, splits: int, dtype: torch.dtype, device) -> tuple:
+    """(out, partial outputs, partial max/sum); the output is zeroed when written directly
+    (padding rows are never visited)."""
+    if splits == 1:
+        dummy = torch.empty(1, dtype=torch.float32, device=device)
+        return torch.zeros(t, heads, dv, dtype=dtype, device=device), dummy, dummy
+    part_o = torch.empty(t * heads * splits * dv, dtype=torch.float32, device=device)
+    part_ml = torch.empty(t * heads * splits * 2, dtype=torch.float32, device=device)
+    return torch.empty(t, heads, dv, dtype=dtype, device=device), part_o, part_ml
+
+
+def _combine(out, part_o, part_ml, is_padding, splits: int) -> None:
+    t, heads, dv = out.shape
+    if splits > 1 and t > 0:
+        kernels().combine_kernel[(t, heads)](part_o, part_ml, is_padding, out, splits, heads, out.stride(0),
+                                             out.stride(1), DV=dv, SP=_pow2(splits))
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit stride in its last dim (the kernels index the other dims by stride)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32
+
+
+def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: StepRows, scale: float,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal paged GQA attention: ``q [T, H, D]``, caches ``[nb, bs, Hk, D]`` (fp8 caches with
+    per-tensor ``k_scale`` / ``v_scale``) -> ``[T, H, Dv]`` in ``q``'s dtype."""
+    q = _rows_of(q)
+    t, heads, d = q.shape
+    _, bs, kv_heads, dv = v_cache.shape
+    group = heads // kv_heads
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
+    if fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    rows_per_tile = max(1, TILE_M // group)
+    tiles = tile_schedule(rows.query_start_loc, t, rows_per_tile)
+    span = rows.tables.shape[1] * bs
+    splits, split = _splits(tiles, span, GQA_SPLIT)
+    out, part_o, part_ml = _outputs(t, heads, dv, splits, q.dtype, q.device)
+    bm = tiles.rows_per_tile
+    if tiles.count:
+        dummy = part_ml
+        kernels().gqa_kernel[(tiles.count, kv_heads, splits)](
+            q, k_cache, v_cache, rows.tables, *rows.tile_args(tiles), out, part_o, part_ml,
+            k_scale if fp8 else dummy, v_scale if fp8 else dummy, scale * 1.4426950408889634, splits, heads,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), rows.tables.stride(0),
+            out.stride(0), out.stride(1),
+            BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=64, D=d, DV=dv,
+            SPLIT=split, ROW_MODE=tiles.row_mode, FP8=fp8, DIRECT=splits == 1, IEEE=_ieee(q.dtype),
+            num_warps=4, num_stages=2,
+        )
+    _combine(out, part_o, part_ml, rows.is_padding, splits)
+    return out
+
+
+def mla_heads_per_program(heads: int) -> int:
+    """Heads stacked in one MLA program: all of them up to 32 (accumulator ``[heads, 512]`` in
+    registers), else blocks of 32."""
+    return heads if heads <= 32 else 32
+
+
+def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
+                  ds_mla: bool, index: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA attention in the latent space over a paged latent cache -> ``[T, H, L]`` in ``q_lat``'s dtype.
+
+    ``cache``: ``[nb, bs, L + R]`` (model dtype) or, ``ds_mla``, uint8 ``[nb, bs, L + 4L/128 + 2R]``.
+    ``index [T, K]`` (sparse): each row attends to those logical positions only (``-1``: unused).
+    """
+    q_lat, q_pe = _rows_of(q_lat), _rows_of(q_pe)
+    t, heads, lat = q_lat.shape
+    if lat > 128 and lat % 128 or lat // 128 not in (0, 1, 2, 4) or lat < 128 and lat & (lat - 1):
+        raise ValueError(f"mla_attention: latent width {lat}: a power of two up to 128, or 256 or 512")
+    rope = q_pe.shape[2]
+    nb, bs = cache.shape[0], cache.shape[1]
+    group = mla_heads_per_program(heads)
+    if heads % group:
+        raise ValueError(f"mla_attention: {heads} heads are not a multiple of {group}")
+    sparse = index is not None
+    tiles = tile_schedule(rows.query_start_loc, t, 1 if sparse else max(1, TILE_M // group))
+    span = index.shape[1] if sparse else rows.tables.shape[1] * bs
+    splits, split = _splits(tiles, span, SPARSE_SPLIT if sparse else MLA_SPLIT)
+    out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat.dtype, q_lat.device)
+    if ds_mla:
+        flat = cache.view(torch.uint8).reshape(nb, bs, -1)
+        scales, rope_bytes = flat.view(torch.float32), flat.view(torch.bfloat16)
+    else:
+        flat = scales = rope_bytes = cache
+    bm = tiles.rows_per_tile
+    if tiles.count:
+        kernels().mla_kernel[(tiles.count, heads // group, splits)](
+            q_lat, q_pe, flat, scales, rope_bytes, rows.tables, *rows.tile_args(tiles),
+            index if sparse else rows.positions, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
+            span if sparse else 0,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
+            rows.tables.stride(0), index.stride(0) if sparse else 0, out.stride(0), out.stride(1),
+            BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=32, L=lat, R=rope,
+            RP=max(MIN_DOT, _pow2(rope)), SPLIT=split, ROW_MODE=tiles.row_mode, DS_MLA=ds_mla, SPARSE=sparse,
+            DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype), num_warps=8 if bm * group >= 32 else 4, num_stages=2,
+        )
+    _combine(out, part_o, part_ml, rows.is_padding, splits)
+    return out
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, rows: StepRows,
+                   quant_block_size: int) -> torch.Tensor:
+    """Lightning-indexer scores ``[T, span]`` (float32, -inf where not visible) from the fp8
+    block-split indexer cache ``[nb, bs * (D + 4D/qbs)]``; ``q [T, Hi, D]``, ``weights [T, Hi]``."""
+    q, weights = _rows_of(q), _rows_of(weights)
+    t, heads, d = q.shape
+    nb = cache.shape[0]
+    per_token = d + 4 * (d // quant_block_size)
+    bs = cache.shape[1] // per_token
+    flat = cache.view(torch.uint8).reshape(nb, bs * per_token)
+    span = rows.tables.shape[1] * bs
+    scores = torch.full((t, span), float("-inf"), dtype=torch.float32, device=q.device)
+    if t:
+        kernels().indexer_kernel[(t, -(-span // INDEXER_CHUNK))](
+            q, weights, flat, flat.view(torch.float32), rows.tables, rows.positions, rows.token_to_req,
+            rows.is_padding, scores, span, q.stride(0), q.stride(1), weights.stride(0), flat.stride(0),
+            rows.tables.stride(0), scores.stride(0),
+            BLOCK_SIZE=bs, HI=heads, HP=max(MIN_DOT, _pow2(heads)), D=d, QBS=quant_block_size, BN=64,
+            CHUNK=INDEXER_CHUNK, IEEE=_ieee(q.dtype), num_warps=4, num_stages=2,
+        )
+    return scores
+
+
+def _monotonic(x: float) -> int:
+    bits = struct.unpack("<i", struct.pack("<f", x))[0]
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+#: the high half of :func:`ordered_keys` for a -inf score (a position nothing may pick)
+_NEG_INF_MONOTONIC = _monotonic(float("-inf"))
+
+
+def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered like ``(score, -position)``: the float32 bits made monotonic (negative
+    values' magnitude bits flipped) in the high half, ``span - 1 - position`` in the low half, so
+    the largest keys are the largest scores, the lowest position first among exact ties."""
+    bits = scores.contiguous().view(torch.int32)
+    monotonic = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    span = scores.shape[1]
+    tiebreak = span - 1 - torch.arange(span, device=scores.device, dtype=torch.int64)
+    return (monotonic << 32) | tiebreak
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical positions of the ``k`` largest scores per row, ascending, ``-1`` for picks with no
+    visible candidate (score -inf): the set the reference's stable sort picks (the lowest positions
+    among equal scores), chosen by ``torch.topk`` over :func:`ordered_keys` (a radix select: the
+    context is never sorted); only the ``k`` picks are sorted, so their order depends on the set
+    alone. No host reads, fixed shapes. (Measured on the H200 against a k-th-score threshold with a
+    running count over the row: faster at every shape of docs/BENCH.md.)"""
+    if scores.shape[1] < k:
+        scores = torch.cat((scores, scores.new_full((scores.shape[0], k - scores.shape[1]), float("-inf"))), 1)
+    span = scores.shape[1]
+    keys = torch.topk(ordered_keys(scores), k, dim=1, sorted=False).values
+    position = span - 1 - (keys & 0xFFFFFFFF)
+    return torch.sort(torch.where((keys >> 32) > _NEG_INF_MONOTONIC, position, -1), dim=1).values
