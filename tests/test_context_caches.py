@@ -136,10 +136,10 @@ def _set_slots(slots: torch.Tensor) -> None:
         CONTEXT[name]["slots"] = slots
 
 
-def _rank_run(rank: int, world: int, inner: str, opaque: bool):
+def _rank_run(rank: int, world: int, inner: str, opaque: bool, schedule: str):
     register_resolver("ctxtest", resolve, replace=True)
     _fresh_context(torch.bfloat16)
-    backend = PcpBackend(inner=inner)
+    backend = PcpBackend(inner=inner, schedule=schedule)
     compiled = torch.compile(Model(opaque), backend=backend, fullgraph=True)
     outputs, caches = [], []
     for step in range(2):
@@ -152,28 +152,39 @@ def _rank_run(rank: int, world: int, inner: str, opaque: bool):
         (w.op, w.state, w.pattern.recipe.value) for w in report.writes]
 
 
-def _reference(world: int, opaque: bool):
-    """Every rank's step run eagerly on one process: rank r starts from the caches as synced after
-    the previous step and adds its own rows (what its replica holds while it computes); the synced
-    caches hold every rank's rows. Returns per step the outputs of every rank and the synced caches."""
+def _reference(world: int, opaque: bool, schedule: str):
+    """Every rank's step run eagerly on one process. Deferred schedule: rank r starts from the
+    caches as synced after the previous step and adds its own rows (what its replica holds while it
+    computes). Immediate schedule: layer by layer, every rank's rows are in before any rank reads
+    the layer's cache. Returns per step the outputs of every rank and the synced caches."""
     _fresh_context(torch.bfloat16)
     synced = {name: CONTEXT[name]["kv"].clone() for name in LAYERS}
     outputs, caches = [], []
     for step in range(2):
-        merged = {name: t.clone() for name, t in synced.items()}
-        per_rank = []
-        for rank in range(world):
+        inputs = [_step_inputs(step, rank, world) for rank in range(world)]
+        if schedule == "immediate":
+            xs = [x for x, _ in inputs]
             for name in LAYERS:
-                CONTEXT[name]["kv"] = synced[name].clone()
-            x, slots = _step_inputs(step, rank, world)
-            _set_slots(slots)
-            per_rank.append(Model(opaque)(x))
-            s = slots[slots >= 0]
-            for name in LAYERS:
-                merged[name][s // BLOCK, s % BLOCK] = CONTEXT[name]["kv"][s // BLOCK, s % BLOCK]
-        synced = merged
-        outputs.append(per_rank)
-        caches.append({name: t.clone() for name, t in merged.items()})
+                CONTEXT[name]["kv"] = synced[name]
+                for r, (_, slots) in enumerate(inputs):
+                    _set_slots(slots)
+                    _write(xs[r] * 2, name)
+                xs = [_attend(x, name, x) for x in xs]
+            outputs.append(xs)
+        else:
+            merged = {name: t.clone() for name, t in synced.items()}
+            per_rank = []
+            for x, slots in inputs:
+                for name in LAYERS:
+                    CONTEXT[name]["kv"] = synced[name].clone()
+                _set_slots(slots)
+                per_rank.append(Model(opaque)(x))
+                s = slots[slots >= 0]
+                for name in LAYERS:
+                    merged[name][s // BLOCK, s % BLOCK] = CONTEXT[name]["kv"][s // BLOCK, s % BLOCK]
+            synced = merged
+            outputs.append(per_rank)
+        caches.append({name: t.clone() for name, t in synced.items()})
     return outputs, caches
 
 
@@ -210,15 +221,17 @@ def _rank_wider_rows(rank: int, world: int) -> tuple[str, str] | None:
     return None
 
 
-#: (inner compiler, opaque handle): strings under eager, hoisted opaque objects under AOT and Inductor
-COMPILERS = [("eager", False), ("aot_eager", True), ("inductor", True)]
+#: (inner compiler, opaque handle, schedule): strings under eager, hoisted opaque objects under AOT
+#: and Inductor; the immediate schedule (the readers wait on the sync) under Inductor
+COMPILERS = [("eager", False, "deferred"), ("aot_eager", True, "deferred"), ("inductor", True, "deferred"),
+             ("inductor", False, "immediate")]
 
 
 def _rank_all(rank: int, world: int):
     synced = []
-    for inner, opaque in COMPILERS:
+    for inner, opaque, schedule in COMPILERS:
         torch._dynamo.reset()
-        synced.append(_rank_run(rank, world, inner, opaque))
+        synced.append(_rank_run(rank, world, inner, opaque, schedule))
     torch._dynamo.reset()
     unresolved = _rank_unresolved(rank, world)
     torch._dynamo.reset()
@@ -230,12 +243,13 @@ def _rank_all(rank: int, world: int):
 def test_context_caches_synced_under_every_compiler_and_refused_when_unresolved():
     world = 2
     ranks = launch(_rank_all, world, timeout_s=380)
-    for i, (inner, opaque) in enumerate(COMPILERS):
-        ref_outputs, ref_caches = _reference(world, opaque)
+    for i, (inner, opaque, schedule) in enumerate(COMPILERS):
+        ref_outputs, ref_caches = _reference(world, opaque, schedule)
         suffix = "_h" if opaque else ""
         for rank in range(world):
             outputs, caches, mode, gathers, writes = ranks[rank][0][i]
-            assert mode == "sharded" and gathers == 1, (inner, mode, gathers)
+            # one collective per step (deferred) or per write site (immediate)
+            assert mode == "sharded" and gathers == (1 if schedule == "deferred" else 2), (inner, mode, gathers)
             assert sorted(writes) == sorted(
                 [(f"ctxtest::write_rows{suffix}", name, "copy_rows") for name in LAYERS]
                 + [(f"ctxtest::attend{suffix}", name, "read_only") for name in LAYERS])
@@ -243,8 +257,9 @@ def test_context_caches_synced_under_every_compiler_and_refused_when_unresolved(
                 for name in LAYERS:
                     # the sync wrote the other rank's rows: every replica equals the merged cache
                     assert torch.equal(torch.from_numpy(caches[step][name]),
-                                       ref_caches[step][name].view(torch.int16)), (inner, rank, step, name)
-                # step 1 reads the rows the other rank wrote at step 0 (synced at its end)
+                                       ref_caches[step][name].view(torch.int16)), (inner, schedule, rank, step, name)
+                # deferred: step 1 reads the rows the other rank wrote at step 0 (synced at its
+                # end); immediate: each layer reads every rank's rows of the step
                 torch.testing.assert_close(torch.from_numpy(outputs[step]), ref_outputs[step][rank])
     for rank in range(world):
         _, wider, unresolved = ranks[rank]

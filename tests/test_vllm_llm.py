@@ -51,6 +51,7 @@ def test_llm_generate_with_the_pcppass_backend(vllm_model_dirs, vllm_reference_t
     for model, proc in procs.items():
         label = f"{model} layername={layername}"
         result = finish_worker(proc)
+        assert "error" not in result, f"{label}: {result}"
         assert result["graphs"] == 1, label  # one Dynamo graph for every step
         _check_writes(label, model, result["writes"])
         assert result["collectives_per_graph"] == [1], label

@@ -79,7 +79,10 @@ class VllmBackend:
         check_graph_stage(gm)  # a piece of vLLM's piecewise split, or a post-grad graph: refused
         report = VllmCompile(find_state_writes(gm), graph=gm)
         self.reports.append(report)
-        breaks = graph_breaks()
+        # vLLM compiles with fullgraph=True (its TorchCompileWithNoGuardsWrapper), so a graph break
+        # fails Dynamo before this graph exists: when stage.graph_breaks cannot tell (None), the
+        # graph is whole; one it does see is refused
+        breaks = graph_breaks(gm) or []
         if (report.uncovered or breaks) and not self.audit_only:
             raise PcpCoverageError(report.uncovered, breaks)
         if not self.audit_only:
