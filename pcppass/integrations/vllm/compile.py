@@ -39,8 +39,9 @@ import torch.fx
 from pcppass.analysis import StateWrite, find_state_writes
 from pcppass.errors import PcpCoverageError, PcpError
 from pcppass.rewrite.insert import SyncRewrite, insert_sync
-from pcppass.rewrite.plan import plan_sync
+from pcppass.rewrite.plan import SyncPlan, plan_sync
 from pcppass.rewrite.stage import check_graph_stage, graph_breaks
+from pcppass.runtime.validate import InputValidator, validating
 
 Inner = Literal["inductor", "aot_eager", "eager"]
 
@@ -79,18 +80,21 @@ class VllmBackend:
         check_graph_stage(gm)  # a piece of vLLM's piecewise split, or a post-grad graph: refused
         report = VllmCompile(find_state_writes(gm), graph=gm)
         self.reports.append(report)
+        if self.audit_only:
+            return _compile(self.inner, gm, example_inputs)
         # vLLM compiles with fullgraph=True (its TorchCompileWithNoGuardsWrapper), so a graph break
         # fails Dynamo before this graph exists: when stage.graph_breaks cannot tell (None), the
         # graph is whole; one it does see is refused
         breaks = graph_breaks(gm) or []
-        if (report.uncovered or breaks) and not self.audit_only:
+        if report.uncovered or breaks:
             raise PcpCoverageError(report.uncovered, breaks)
-        if not self.audit_only:
-            report.rewrite = self._insert_sync(gm, report.writes)
-        return _compile(self.inner, gm, example_inputs)
+        plan = plan_sync([w for w in report.writes if w.covered])
+        report.rewrite = self._insert_sync(gm, plan)
+        # vLLM calls the graph without Dynamo's guards: a LayerName input must be the compiled one
+        return validating(_compile(self.inner, gm, example_inputs), InputValidator.from_plan(gm, plan))
 
     @staticmethod
-    def _insert_sync(gm: torch.fx.GraphModule, writes: list[StateWrite]) -> SyncRewrite:
+    def _insert_sync(gm: torch.fx.GraphModule, plan: SyncPlan) -> SyncRewrite:
         if not dist.is_initialized():
             raise PcpError("pcppass: vLLM's process group is not initialised: the sync has no group")
         group = dist.group.WORLD
@@ -100,7 +104,6 @@ class VllmBackend:
                 f"pcppass: inside vLLM's own runner (world of {world} ranks, vLLM's tensor-parallel "
                 "world) pcppass syncs one-process engines only: vLLM's runner hands it no step kind "
                 "and no decode ownership. Shard decode through pcppass.integrations.vllm.adapter.")
-        plan = plan_sync([w for w in writes if w.covered])
         return insert_sync(gm, plan, schedule="deferred", group_name=group.group_name,
                            world_size=world, extra_fingerprint="vllm")
 
