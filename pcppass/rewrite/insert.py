@@ -363,6 +363,13 @@ class Transport(abc.ABC):
         """A node holding payload ``segment`` of every rank, concatenated along dim 0 (rank
         order); with ``mask_own_rows`` (a re-run's slots) this rank's own rows read -1."""
 
+    @property
+    def context_token(self) -> torch.fx.Node | None:
+        """The token of the last scatter into context-addressed caches, which readers of those
+        caches wait on under the immediate schedule; None: this transport emitted none (a
+        transport that cannot write context caches refuses them in :meth:`exchange`)."""
+        return None
+
 
 TransportFactory = Callable[[GraphEmitter, SyncGroup], Transport]
 
@@ -392,8 +399,11 @@ class AllGatherTransport(Transport):
         self.segments: Segments | None = None
         self.gathered: torch.fx.Node | None = None
         self.index: torch.fx.Node | None = None
-        #: the last context scatter's token (None until one is emitted)
-        self.context_token: torch.fx.Node | None = None
+        self._context_token: torch.fx.Node | None = None
+
+    @property
+    def context_token(self) -> torch.fx.Node | None:
+        return self._context_token
 
     def exchange(self, segments: Segments) -> None:
         emit, group = self.emit, self.group
@@ -423,7 +433,7 @@ class AllGatherTransport(Transport):
             )
         if context_rows:
             refs = [r.cache for r in context_rows]
-            self.context_token = self.emit.call(
+            self._context_token = self.emit.call(
                 _SYNC.sync_scatter_context.default, self.gathered, self.index,
                 list(self.segments.context_after), "\n".join(ref.resolver for ref in refs), "\n".join(ref.handle for ref in refs),
                 "\n".join(ref.cache_role for ref in refs),
@@ -502,7 +512,7 @@ def wait_for_context_sync(emit: GraphEmitter, sites: Sequence[SyncSite], transpo
     context_sites = [s for s in sites if any(isinstance(c.cache, ContextRef) for c in s.caches)]
     if not context_sites:
         return
-    token = getattr(transport, "context_token", None)
+    token = transport.context_token
     if token is None:
         raise PlanError(f"{context_sites[0].label}: the transport {type(transport).__name__} does not "
                         f"sync context-addressed caches")

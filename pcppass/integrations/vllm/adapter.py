@@ -243,8 +243,10 @@ class VllmRunner:
             raise ValueError("VllmRunner shards decode: on_uncovered must be 'raise' (or 'unsafe_ignore' "
                              "in a negative control); run a replicated engine to keep decode replicated")
         self.model = model
+        # whole_step: compiled with fullgraph=True, so the graph is the whole step
         self.decode_backend = PcpBackend(group=group, schedule="deferred", inner=inner,
-                                         on_uncovered=on_uncovered, checks=checks, name="decode")
+                                         on_uncovered=on_uncovered, checks=checks, name="decode",
+                                         whole_step=True)
         self._graphs = {
             "decode": torch.compile(model.model, backend=self.decode_backend, fullgraph=True),
             "mixed": torch.compile(model.model, backend=inner, fullgraph=True),
