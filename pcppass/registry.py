@@ -2,6 +2,9 @@
 
 Built-in patterns live in ``patterns/`` (installed as ``pcppass.patterns``) and register themselves
 when :func:`load_builtin_patterns` imports them. Users add their own with :func:`register_pattern`.
+
+Context-addressed patterns (an op that fetches its cache through a handle, e.g. vLLM's layer name)
+name a resolver; an engine integration registers it with :func:`register_resolver`.
 """
 
 from __future__ import annotations
@@ -9,8 +12,13 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from pcppass.spec import WritePattern
+
+if TYPE_CHECKING:
+    import torch
 
 _lock = threading.Lock()
 _by_op: dict[str, WritePattern] = {}
@@ -74,3 +82,56 @@ def load_builtin_patterns() -> None:
 
     for mod in pkgutil.iter_modules(pkg.__path__):
         importlib.import_module(f"{pkg.__name__}.{mod.name}")
+
+
+# ----------------------------------------------------------------------------- resolvers
+
+#: A resolver maps a handle's value (e.g. a layer name) to named tensors: cache views in their
+#: layouts' canonical shapes and slot mappings (see :class:`pcppass.spec.ContextCache`).
+ResolveFn = Callable[[str], Mapping[str, "torch.Tensor"]]
+
+
+@dataclass(frozen=True)
+class Resolver:
+    """A registered resolver: ``resolve`` at run time, ``describe`` at compile time.
+
+    ``describe(handle)`` returns tensors (meta tensors allowed) with the shapes, strides and
+    dtypes ``resolve`` will return, for an engine whose caches do not exist yet when the graph is
+    compiled (vLLM compiles before it allocates its KV cache); the number of blocks may differ.
+    Without it, ``resolve`` is called at compile time too.
+    """
+
+    name: str
+    resolve: ResolveFn
+    describe: ResolveFn | None = None
+
+    def described(self, handle: str) -> Mapping[str, "torch.Tensor"]:
+        return (self.describe or self.resolve)(handle)
+
+
+_resolvers: dict[str, Resolver] = {}
+
+
+def register_resolver(name: str, fn: ResolveFn, *, describe: ResolveFn | None = None,
+                      replace: bool = False) -> Resolver:
+    """Register ``fn(handle_value) -> {role: tensor}`` under ``name`` (``WritePattern.resolver``).
+
+    Raises ``ValueError`` if another resolver already has the name, unless ``replace``.
+    """
+    resolver = Resolver(name, fn, describe)
+    with _lock:
+        old = _resolvers.get(name)
+        if old is not None and not replace and (old.resolve, old.describe) != (fn, describe):
+            raise ValueError(f"resolver {name!r} is already registered ({old.resolve!r})")
+        _resolvers[name] = resolver
+    return resolver
+
+
+def unregister_resolver(name: str) -> None:
+    with _lock:
+        _resolvers.pop(name, None)
+
+
+def get_resolver(name: str | None) -> Resolver | None:
+    """The resolver registered under ``name``; None if there is none."""
+    return _resolvers.get(name) if name else None

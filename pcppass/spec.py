@@ -39,6 +39,9 @@ class Recipe(str, enum.Enum):
     #: replica's own rows masked out (slot -1) and every non-cache output discarded. For stateful ops
     #: whose effect is not a plain row store.
     RERUN = "rerun"
+    #: Nothing to reproduce: the op only reads the state its handle addresses (vLLM's attention
+    #: ops take the layer name to fetch the KV cache they read). Declared so the audit can say so.
+    READ_ONLY = "read_only"
 
 
 #: The resolved layout kinds the replica sync can copy (:mod:`pcppass.kernels.rows`).
@@ -249,6 +252,62 @@ class CacheRole:
 
 
 @dataclass(frozen=True)
+class ContextCache:
+    """A cache an op fetches at run time through a handle argument instead of receiving it.
+
+    ``handle`` is the schema argument holding the handle (an opaque object such as vLLM's
+    ``LayerName``, or a string naming the state). The pattern's resolver maps the handle's value
+    to named tensors; ``cache`` and ``slots`` name the cache view and its slot mapping among them,
+    and ``layout`` says how a slot addresses that view (resolved at compile time on what the
+    resolver describes, checked at run time on what it returns).
+    ``ContextCache("layer_name", cache="kv_cache", slots="slot_mapping")``: every field but
+    ``handle`` is keyword-only.
+    """
+
+    handle: str
+    cache: str = field(kw_only=True)
+    slots: str = field(kw_only=True)
+    layout: RowLayout = field(default_factory=PagedRows, kw_only=True)
+
+    def __post_init__(self) -> None:
+        for name in ("handle", "cache", "slots"):
+            _require_name("ContextCache", name, getattr(self, name))
+        if not isinstance(self.layout, RowLayout):
+            raise TypeError(f"ContextCache.layout must be a RowLayout instance, got {self.layout!r}")
+
+    def arguments(self) -> tuple[str, ...]:
+        """The op arguments this role names: the handle, and what the layout reads."""
+        return tuple(dict.fromkeys((self.handle, *self.layout.arguments())))
+
+
+def _context_roles(pattern: "WritePattern") -> tuple[ContextCache, ...]:
+    context = pattern.context
+    if isinstance(context, ContextCache) or not isinstance(context, (tuple, list)) or not all(
+            isinstance(c, ContextCache) for c in context):
+        raise TypeError(f"WritePattern {pattern.name!r}: context must be a tuple of ContextCache, "
+                        f"got {context!r}")
+    return tuple(context)
+
+
+def _check_context(name: str, recipe: "Recipe", caches, context, resolver, reads, row_args) -> None:
+    """A context-addressed pattern names its resolver and copies rows; a read-only one reads."""
+    where = f"WritePattern {name!r}"
+    if context:
+        _require_name(where, "resolver", resolver)
+        if recipe is not Recipe.COPY_ROWS:
+            raise ValueError(f"{where}: context-addressed caches are synced by copying rows "
+                             f"(recipe COPY_ROWS), got {recipe.value}")
+        if not row_args:
+            raise ValueError(f"{where}: list a per-row input in row_args (it sizes the rows of "
+                             f"each context cache)")
+    elif resolver is not None:
+        raise ValueError(f"{where}: resolver {resolver!r} given but no context cache")
+    if (recipe is Recipe.READ_ONLY) != bool(reads) or (reads and (caches or context)):
+        raise ValueError(f"{where}: a read-only pattern (recipe READ_ONLY) names the handles it "
+                         f"reads in `reads` and writes no cache")
+
+
+@dataclass(frozen=True)
 class WritePattern:
     """A declarative spec of one write family. See the module docstring for an example.
 
@@ -265,6 +324,13 @@ class WritePattern:
     #: for in-place aten families: method/function spellings matched on the Dynamo graph
     aten_family: str | None = field(default=None, kw_only=True)
     doc: str = field(default="", kw_only=True)
+    #: caches fetched at run time through a handle argument (see :class:`ContextCache`)
+    context: tuple[ContextCache, ...] = field(default=(), kw_only=True)
+    #: name of the registered resolver (:func:`pcppass.registry.register_resolver`) that maps a
+    #: handle's value to the tensors of ``context``; a handle with no registered resolver is uncovered
+    resolver: str | None = field(default=None, kw_only=True)
+    #: handle arguments the op only reads (with ``recipe=Recipe.READ_ONLY``, no caches)
+    reads: tuple[str, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         _require_name("WritePattern", "name", self.name)
@@ -279,9 +345,12 @@ class WritePattern:
         else:
             _require_name(f"WritePattern {self.name!r}", "aten_family", self.aten_family)
         caches = self.caches
-        if isinstance(caches, CacheRole) or not isinstance(caches, (tuple, list)) or not caches:
+        context = _context_roles(self)
+        reads = _require_names(f"WritePattern {self.name!r}", "reads", self.reads) if self.reads else ()
+        if isinstance(caches, CacheRole) or not isinstance(caches, (tuple, list)) or not (
+                caches or context or reads):
             raise TypeError(f"WritePattern {self.name!r}: caches must be a non-empty tuple of "
-                            f"CacheRole, got {caches!r}")
+                            f"CacheRole (or the pattern context-addressed or read-only), got {caches!r}")
         if not all(isinstance(c, CacheRole) for c in caches):
             raise TypeError(f"WritePattern {self.name!r}: every cache must be a CacheRole, got {caches!r}")
         args = [c.arg for c in caches]
@@ -299,14 +368,22 @@ class WritePattern:
             if missing:
                 raise ValueError(f"WritePattern {self.name!r}: a re-run gathers its slot mappings: "
                                  f"list {missing} in row_args")
+        _check_context(self.name, recipe, caches, context, self.resolver, reads, self.row_args)
         object.__setattr__(self, "ops", ops)
         object.__setattr__(self, "caches", tuple(caches))
         object.__setattr__(self, "recipe", recipe)
+        object.__setattr__(self, "context", context)
+        object.__setattr__(self, "reads", reads)
 
     def arguments(self) -> tuple[str, ...]:
-        """Every op argument the pattern names (roles, their layouts, row inputs)."""
+        """Every op argument the pattern names (roles, their layouts, handles, row inputs)."""
         names = [a for c in self.caches for a in c.arguments()] + list(self.row_args)
+        names += [a for c in self.context for a in c.arguments()] + list(self.reads)
         return tuple(dict.fromkeys(names))
+
+    def context_roles(self, handle_arg: str) -> tuple[ContextCache, ...]:
+        """The context caches addressed through the handle argument ``handle_arg``."""
+        return tuple(c for c in self.context if c.handle == handle_arg)
 
     def uuid(self) -> str:
         """Stable identity of this pattern (fields + the layout classes' source)."""
@@ -322,6 +399,13 @@ class WritePattern:
             "aten_family": self.aten_family,
             "layout_src": [inspect.getsource(type(c.layout)) for c in self.caches],
         }
+        if self.context or self.resolver or self.reads:
+            payload["context"] = [
+                [c.handle, c.cache, c.slots, repr(c.layout), inspect.getsource(type(c.layout))]
+                for c in self.context
+            ]
+            payload["resolver"] = self.resolver
+            payload["reads"] = list(self.reads)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

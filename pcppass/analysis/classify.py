@@ -2,6 +2,9 @@
 
 Order of the checks, each an early return with its reason:
 
+0. a handle argument (vLLM's layer name) of an op whose pattern fetches its caches through it at
+   run time: covered when the pattern's resolver is registered and describes caches its layout
+   fits, read only when the pattern says the op only reads through it;
 1. already marked by the finder (a cache handle, an opaque call, a side-effect-only op, unknown
    storage); the state (or the written view) is a tensor subclass: the sync copies plain rows;
 2. no pattern covers the op: a user Triton kernel, an unknown mutating op, or (for in-place aten
@@ -24,8 +27,10 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 
 from pcppass.analysis.records import StateWrite, Uncovered
 from pcppass.analysis.views import is_base_flattened_paged, is_plain_tensor, node_value
-from pcppass.registry import pattern_for_family, pattern_for_op
-from pcppass.spec import SYNC_LAYOUT_KINDS, CacheRole, IndexedDim, ResolvedLayout, RowLayout, WritePattern
+from pcppass.registry import get_resolver, pattern_for_family, pattern_for_op
+from pcppass.spec import (
+    SYNC_LAYOUT_KINDS, CacheRole, ContextCache, IndexedDim, ResolvedLayout, RowLayout, WritePattern,
+)
 
 #: In-place aten families that select rows through an index or mask: a row write in principle,
 #: but with no pattern describing which argument addresses the rows.
@@ -284,8 +289,66 @@ def _subclass_state(record: StateWrite) -> bool:
     return False
 
 
+class ContextUnresolved(ValueError):
+    """A context-addressed cache whose layout cannot be resolved at compile time."""
+
+
+def context_layouts(pattern: WritePattern, roles: tuple[ContextCache, ...], handle: str,
+                    args: dict[str, object]) -> list[ResolvedLayout]:
+    """The layout of every role, resolved on what the pattern's resolver describes for
+    ``handle`` (raises :class:`ContextUnresolved` saying why not)."""
+    resolver = get_resolver(pattern.resolver)
+    if resolver is None:
+        raise ContextUnresolved(
+            f"pattern {pattern.name} fetches its caches through resolver {pattern.resolver!r}, "
+            f"which is not registered (import the integration that registers it, e.g. "
+            f"pcppass.integrations.{pattern.resolver})")
+    try:
+        tensors = resolver.described(handle)
+        views = [tensors[role.cache] for role in roles]
+    except Exception as exc:  # noqa: BLE001 - the resolver's own refusal, reported as uncovered
+        raise ContextUnresolved(f"resolver {pattern.resolver!r} cannot describe {handle!r}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+    try:
+        return [role.layout.resolve(_static_shape(view.shape), view.element_size(), args)
+                for role, view in zip(roles, views)]
+    except (_DynamicSize, ValueError, KeyError, IndexError, TypeError, ZeroDivisionError) as exc:
+        raise ContextUnresolved(f"layout of {handle!r} does not resolve: {exc}") from exc
+
+
+def _classify_context(record: StateWrite) -> bool:
+    """A handle argument (``state_node`` None) of an op whose pattern reads or writes state
+    through it: covered (its caches resolved through the pattern's resolver), read only, or
+    uncovered with the reason. False when no pattern addresses state through this argument."""
+    pattern = pattern_for_op(record.op)
+    if pattern is None or record.arg is None:
+        return False
+    if record.arg in pattern.reads:
+        record.pattern, record.reason, record.layout = pattern, None, None
+        record.detail = f"{record.op} only reads the state {record.state} addresses"
+        return True
+    roles = pattern.context_roles(record.arg)
+    if not roles:
+        return False
+    record.pattern = pattern
+    try:
+        layouts = context_layouts(pattern, roles, record.state, _layout_args(record.bound_args))
+    except ContextUnresolved as exc:
+        reason = Uncovered.UNDECLARED_CACHE_HANDLE if get_resolver(pattern.resolver) is None \
+            else Uncovered.UNKNOWN_LAYOUT
+        _uncovered(record, reason, f"{record.op} writes the caches of {record.state}: {exc}")
+        return True
+    record.reason, record.detail = None, ""
+    # for the audit: one row of the op is the rows of every role ("context" is never encoded)
+    record.layout = ResolvedLayout("context", layouts[0].block_size,
+                                   sum(layout.bytes_per_row for layout in layouts))
+    return True
+
+
 def classify_write(record: StateWrite) -> StateWrite:
     """Attach pattern + layout, or reason + detail, to one record (in place; returned)."""
+    if record.state_node is None and record.family is None and _classify_context(record):
+        return record  # a handle argument: context-addressed caches, or read only
     if record.reason is not None:
         return record  # marked by the finder (undeclared handle, unknown storage)
     if _subclass_state(record):

@@ -317,23 +317,18 @@ def _declares_no_write_custom_op(node: torch.fx.Node) -> torch._ops.OpOverload |
 
 
 def _only_a_dependency_token(node: torch.fx.Node, defuse: DefUse) -> bool:
-    """The op's result carries no data: unused, empty, or only fed to other opaque ops."""
+    """The op's result carries no data: unused, or empty (a dependency token).
+
+    A non-empty result is data even when only other opaque ops consume it: vLLM's DeepSeek-V2
+    graph feeds ``vllm_ir::rms_norm``'s output (the normalised latent) only to the MLA KV-update
+    and attention ops."""
     value = node_value(node)
     if value is None or not defuse.users(node):
         return True
     values = value if isinstance(value, (list, tuple)) else [value]
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    if all(isinstance(v, torch.Tensor) and statically_known_true(v.numel() == 0) for v in values):
-        return True
-    return all(
-        _declares_no_write_custom_op(u) is not None or (
-            u.op == "call_function"
-            and isinstance(u.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
-            and not _is_torch_namespace(qualified_name(u.target))
-        )
-        for u in defuse.users(node)
-    )
+    return all(isinstance(v, torch.Tensor) and statically_known_true(v.numel() == 0) for v in values)
 
 
 def qualified_name(target: object) -> str:

@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(every live tensor is watched, not only the step's arguments)")
     p.add_argument("--steps", type=int, default=2, help="steps to run with --dynamic")
     p.add_argument("--rows", type=int, default=6, help="rows of the traced step (built-in models)")
+    p.add_argument("--vllm", action="store_true",
+                   help="MODEL is a model directory: audit the graph vLLM itself compiles for it "
+                        "(needs vLLM; see docs/INTEGRATION.md)")
     p.set_defaults(func=run_audit)
 
 
@@ -53,6 +56,13 @@ def _print_table(model: str, writes: list[StateWrite], console: Any) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
+    if args.vllm:
+        try:
+            from pcppass.integrations.vllm.audit import run_audit_cli
+        except ImportError as exc:
+            print(f"pcppass audit --vllm: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        return run_audit_cli(args)
     from rich.console import Console
 
     from pcppass.analysis.report import audit

@@ -460,3 +460,205 @@ def sync_unpack(
 @sync_unpack.register_fake
 def _sync_unpack_fake(gathered, index, segment, like, group_name, mask_own_rows):
     return like.new_empty((index.shape[0] * like.shape[0], *like.shape[1:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Context-addressed caches: fetched at run time through a registered resolver
+# ---------------------------------------------------------------------------------------------
+#
+# An op such as vLLM's ``unified_kv_cache_update(key, value, layer_name)`` writes a cache the
+# graph never sees: it fetches it (and its slot mapping) from the engine's per-step context by
+# the handle. Its sync resolves the same handle through the pattern's resolver, at run time:
+#
+#     rows, slots = pcppass.sync_context_rows(resolver, handle, cache, slots, layout, key, [token])
+#     packed      = pcppass.sync_pack(fp, ..., payloads=[..., rows, slots])     # as payloads
+#     ...all-gather, read header...
+#     token2      = pcppass.sync_scatter_context(gathered, index, after, resolver, handle, cache, ...)
+#
+# ``token`` (the op's own dependency result) orders the read after the owner's write; ``after``
+# orders the scatter after what must read the caches first. The scatter mutates no graph tensor,
+# so it is registered as side-effectful: functionalization and dead-code elimination (AOT,
+# Inductor) keep it; it returns an empty token that later readers of the cache can wait on.
+
+
+def context_tensors(resolver: str, handle: str) -> dict[str, torch.Tensor]:
+    """The tensors the resolver registered as ``resolver`` returns for ``handle`` at run time."""
+    from pcppass.errors import PcpSyncError
+    from pcppass.registry import get_resolver
+
+    found = get_resolver(resolver)
+    if found is None:
+        raise PcpSyncError(f"pcppass: no resolver {resolver!r} is registered to fetch the caches of "
+                           f"handle {handle!r} (the integration that registers it was not imported)")
+    return dict(found.resolve(handle))
+
+
+def context_cache(tensors: dict[str, torch.Tensor], role: str, layout: ResolvedLayout,
+                  where: str) -> torch.Tensor | None:
+    """The cache ``role`` of a resolved context, checked against the layout compiled for it.
+
+    None when the resolver returns no cache and no tensor at all: the engine has no cache for the
+    handle yet (a warm-up run), so its op wrote nothing."""
+    from pcppass.errors import PcpSyncError
+
+    cache = tensors.get(role)
+    if cache is None and not tensors:
+        return None
+    if not isinstance(cache, torch.Tensor):
+        raise PcpSyncError(f"{where}: the resolver returned no tensor for cache role {role!r} "
+                           f"(got {sorted(tensors)})")
+    problem = layout_mismatch(cache, layout)
+    if problem:
+        raise PcpSyncError(f"{where}: cache role {role!r} {list(cache.shape)} {cache.dtype} does not "
+                           f"match the layout the graph was compiled for ({layout}): {problem}")
+    return cache
+
+
+def layout_mismatch(cache: torch.Tensor, layout: ResolvedLayout) -> str:
+    """Why ``cache`` cannot hold rows of ``layout`` (empty when it can).
+
+    A paged cache's block size is read from the cache itself (an engine may size its blocks only
+    after it compiled the graph): the bytes of one row must match. A block-split layout addresses
+    bytes inside a block, so its block must hold every segment.
+    """
+    if layout.kind == "paged_rows":
+        if cache.dim() < 2:
+            return "a paged cache is [num_blocks, block_size, ...]"
+        row = cache.element_size()
+        for d in cache.shape[2:]:
+            row *= int(d)
+        return "" if row == layout.bytes_per_row else \
+            f"{row} B per row, compiled for {layout.bytes_per_row}"
+    if layout.kind == "block_split":
+        block = cache.element_size()
+        for d in cache.shape[1:]:
+            block *= int(d)
+        end = max((base + (layout.block_size - 1) * stride + length
+                   for base, stride, length in layout.segments), default=0)
+        return "" if end <= block and cache.is_contiguous() else \
+            f"a block holds {block} B (contiguous: {cache.is_contiguous()}), the rows need {end} B"
+    return f"a {layout.kind} layout cannot address a context cache"
+
+
+def context_slots(tensors: dict[str, torch.Tensor], role: str, rows: int, where: str) -> torch.Tensor:
+    """The slot mapping ``role`` as ``[rows]`` int64, padded with -1 (absent: every row -1, the
+    op wrote nothing)."""
+    from pcppass.errors import PcpSyncError
+
+    slots = tensors.get(role)
+    if slots is None:
+        return torch.full((rows,), -1, dtype=torch.int64)
+    slots = slots.reshape(-1)
+    if slots.dtype not in (torch.int64, torch.int32) or slots.numel() > rows:
+        raise PcpSyncError(f"{where}: slot mapping {role!r} is {slots.dtype} with {slots.numel()} "
+                           f"entries for {rows} rows (int64, at most one per row expected)")
+    out = torch.full((rows,), -1, dtype=torch.int64, device=slots.device)
+    out[: slots.numel()] = slots
+    return out
+
+
+def _context_where(resolver: str, handle: str) -> str:
+    return f"pcppass replica sync of {handle!r} (resolver {resolver!r})"
+
+
+@torch.library.custom_op("pcppass::sync_context_rows", mutates_args=())
+def sync_context_rows(
+    resolver: str,
+    handle: str,
+    cache_role: str,
+    slots_role: str,
+    layout: list[int],
+    rows_like: torch.Tensor,
+    after: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows a context-addressed op wrote: ``([n, bytes_per_row]`` uint8, zeros at slot -1;
+    ``[n]`` int64 slots, -1-padded), ``n = rows_like.shape[0]``. ``after`` (the op's token)
+    only orders this read after the write."""
+    (lay,) = decode_layouts(layout)
+    where = _context_where(resolver, handle)
+    tensors = context_tensors(resolver, handle)
+    cache = context_cache(tensors, cache_role, lay, where)
+    n = rows_like.shape[0]
+    if cache is None:  # nothing written
+        return (torch.zeros(n, lay.bytes_per_row, dtype=torch.uint8, device=rows_like.device),
+                torch.full((n,), -1, dtype=torch.int64, device=rows_like.device))
+    slots = context_slots(tensors, slots_role, n, where).to(cache.device)
+    limit = num_slots(cache, lay)
+    bad = slots[(slots < -1) | (slots >= limit)]
+    if bad.numel():
+        from pcppass.errors import PcpSyncError
+
+        raise PcpSyncError(f"{where}: slot {int(bad[0])} of {slots_role!r} is outside [-1, {limit})")
+    rows = torch.zeros(n, lay.bytes_per_row, dtype=torch.uint8, device=cache.device)
+    valid = slots >= 0
+    if bool(valid.any()):
+        rows[valid] = read_rows(cache, slots[valid], lay)
+    return rows, slots
+
+
+@sync_context_rows.register_fake
+def _sync_context_rows_fake(resolver, handle, cache_role, slots_role, layout, rows_like, after):
+    (lay,) = decode_layouts(layout)
+    n = rows_like.shape[0]
+    return (rows_like.new_empty((n, lay.bytes_per_row), dtype=torch.uint8),
+            rows_like.new_empty((n,), dtype=torch.int64))
+
+
+@torch.library.custom_op("pcppass::sync_scatter_context", mutates_args=())
+def sync_scatter_context(
+    gathered: torch.Tensor,
+    index: torch.Tensor,
+    after: list[torch.Tensor],
+    resolvers: str,
+    handles: str,
+    cache_roles: str,
+    rows_segments: list[int],
+    slots_segments: list[int],
+    layouts: list[int],
+    group_name: str,
+    sites: str,
+    check_conflicts: bool,
+) -> torch.Tensor:
+    """:func:`sync_scatter_rows_all` for context-addressed caches: cache ``i`` is resolved at run
+    time through line ``i`` of ``resolvers``, ``handles`` and ``cache_roles`` (one per line, like
+    ``sites``) and checked against the i-th layout before any row is written. ``after`` only
+    orders the scatter after what produced those tensors (no graph edge says it reads the caches).
+    Returns an empty token."""
+    decoded = decode_layouts(layouts)
+    count = len(decoded)
+    lines = [site_labels(text, count) for text in (resolvers, handles, cache_roles, sites)]
+    if not (len(rows_segments) == len(slots_segments) == count):
+        raise ValueError("sync_scatter_context: segments and layouts differ in length")
+    caches = [
+        context_cache(context_tensors(r, h), role, lay, _context_where(r, h))
+        for r, h, role, lay in zip(lines[0], lines[1], lines[2], decoded)
+    ]
+    for cache, rows_segment, slots_segment, lay, site in zip(caches, rows_segments, slots_segments,
+                                                             decoded, lines[3]):
+        if cache is None:
+            _require_no_rows(gathered, index, slots_segment, site)
+            continue
+        scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment,
+                               encode_layout(lay), group_name, site, check_conflicts)
+    return gathered.new_empty((0,))
+
+
+def _require_no_rows(gathered: torch.Tensor, index: torch.Tensor, slots_segment: int, site: str) -> None:
+    """This rank has no cache for a handle: no rank may have written a row into it."""
+    from pcppass.errors import PcpSyncError
+
+    for r in range(index.shape[0]):
+        slots = _segment(gathered, index, r, slots_segment).clone().view(torch.int64)
+        if bool((slots >= 0).any()):
+            raise PcpSyncError(f"{site}: rank {r} wrote rows into a cache this rank does not have yet")
+
+
+@sync_scatter_context.register_fake
+def _sync_scatter_context_fake(gathered, index, after, resolvers, handles, cache_roles, rows_segments,
+                               slots_segments, layouts, group_name, sites, check_conflicts):
+    return gathered.new_empty((0,))
+
+
+# It writes state no graph tensor stands for: keep it through AOT's and Inductor's dead-code
+# elimination (an op with no mutated argument and an unused result is otherwise dropped).
+torch.fx.node.has_side_effect(torch.ops.pcppass.sync_scatter_context.default)

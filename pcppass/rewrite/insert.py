@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
@@ -67,6 +68,7 @@ import torch
 import torch.fx
 
 import pcppass.kernels.rows  # noqa: F401  (registers the pcppass::sync_* ops)
+from pcppass.analysis.views import node_value
 from pcppass.errors import PcpSyncError
 from pcppass.kernels.rows import encode_layout
 from pcppass.rewrite.overlap import start_exchange_early
@@ -131,7 +133,10 @@ class GraphEmitter:
 
 @dataclass(frozen=True)
 class CacheRows:
-    """A cache-row segment: the rows ``site`` wrote into ``cache`` at ``slots``."""
+    """A cache-row segment: the rows ``site`` wrote into ``cache`` at ``slots``.
+
+    For a context-addressed cache (``cache`` a :class:`ContextRef`) the rows and their slots are
+    read at run time by ``pcppass::sync_context_rows`` and travel as payloads."""
 
     site: SyncSite
     state: str
@@ -161,14 +166,24 @@ class Segments:
     rows: tuple[CacheRows, ...]
     payloads: tuple[torch.fx.Node, ...]
     reruns: tuple[RerunInputs, ...]
+    #: what the scatter into context-addressed caches waits for. Deferred schedule: the step's
+    #: outputs, so every op whose result reaches them (vLLM's attention) has read the caches before
+    #: other ranks' rows land, as functionalization orders a graph cache's scatter after its reads.
+    #: Immediate schedule: nothing (the readers wait on the scatter instead).
+    context_after: tuple[torch.fx.Node, ...] = ()
+
+    @property
+    def graph_rows(self) -> tuple[CacheRows, ...]:
+        """The cache-row segments of graph tensors (the first segments of the buffer)."""
+        return tuple(r for r in self.rows if not isinstance(r.cache, ContextRef))
 
     @property
     def count(self) -> int:
-        return len(self.rows) + len(self.payloads)
+        return len(self.graph_rows) + len(self.payloads)
 
     def payload(self, segment: int) -> torch.fx.Node:
         """The local tensor of payload segment number ``segment``."""
-        return self.payloads[segment - len(self.rows)]
+        return self.payloads[segment - len(self.graph_rows)]
 
     def rows_of(self, site: SyncSite) -> list[CacheRows]:
         return [r for r in self.rows if r.site is site]
@@ -222,13 +237,19 @@ class _SegmentCollector:
 
 def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot: bool) -> Segments:
     """The segments that sync ``sites``: every cache written by a ``COPY_ROWS`` site (its slots
-    as a payload) and every per-row input of a ``RERUN`` site, as payloads."""
+    as a payload; a context-addressed cache's rows and slots, read at run time, as two payloads)
+    and every per-row input of a ``RERUN`` site, as payloads."""
     collector = _SegmentCollector(emit, snapshot)
     copies: list[tuple[SyncSite, Any, torch.fx.Node, int]] = []  # site, cache sync, slots, payload
+    contexts: list[tuple[SyncSite, Any, torch.fx.Node, int, int]] = []  # ... rows and slots payloads
     reruns: list[tuple[SyncSite, dict[str, int]]] = []
     for site in sites:
         if site.recipe is Recipe.COPY_ROWS:
             for cache in site.caches:
+                if isinstance(cache.cache, ContextRef):
+                    rows, slots = read_context_rows(emit, site, cache)
+                    contexts.append((site, cache, slots, collector.payload(rows), collector.payload(slots)))
+                    continue
                 slots = collector.as_sent(site, cache.slots)
                 copies.append((site, cache, slots, collector.payload(slots)))
         else:
@@ -242,12 +263,61 @@ def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot:
         CacheRows(site, cache.state, cache.cache, slots, cache.layout, rows_segment=i,
                   slots_segment=first_payload + payload)
         for i, (site, cache, slots, payload) in enumerate(copies)
+    ) + tuple(
+        CacheRows(site, cache.state, cache.cache, slots, cache.layout,
+                  rows_segment=first_payload + rows_payload, slots_segment=first_payload + slots_payload)
+        for site, cache, slots, rows_payload, slots_payload in contexts
     )
     return Segments(
         sites=tuple(sites), rows=rows, payloads=tuple(collector.payloads),
         reruns=tuple(RerunInputs(site, {name: first_payload + p for name, p in payloads.items()})
                      for site, payloads in reruns),
+        context_after=_step_outputs(emit.graph) if contexts and snapshot else (),
     )
+
+
+def _step_outputs(graph: torch.fx.Graph) -> tuple[torch.fx.Node, ...]:
+    """The tensor nodes the graph returns."""
+    (output,) = graph.find_nodes(op="output")
+    return tuple(n for n in _flat_nodes(output.args) if isinstance(node_value(n), torch.Tensor))
+
+
+def _flat_nodes(value: Any) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(value, found.append)
+    return found
+
+
+def read_context_rows(emit: GraphEmitter, site: SyncSite, cache: Any) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """Emit the run-time read of a context-addressed cache's rows and slots, after its write::
+
+        rows, slots = pcppass.sync_context_rows(resolver, handle, cache_role, slots_role, layout,
+                                                 <a row input of the op>, [<the op's result>])
+
+    The op's result (vLLM's update ops return an empty dependency token) orders the read after
+    the write, which the graph cannot see."""
+    ref: ContextRef = cache.cache
+    read = emit.call(_SYNC.sync_context_rows.default, ref.resolver, ref.handle, ref.cache_role,
+                     ref.slots_role, encode_layout(cache.layout), site.rows_like(), [_result_tensor(site)])
+    return emit.call(operator.getitem, read, 0), emit.call(operator.getitem, read, 1)
+
+
+def _result_tensor(site: SyncSite) -> torch.fx.Node:
+    """The site's result as one tensor node (the first tensor of a tuple result)."""
+    value = node_value(site.node)
+    if isinstance(value, torch.Tensor):
+        return site.node
+    if isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            if isinstance(item, torch.Tensor):
+                return _getitem(site.node, i)
+    raise PlanError(f"{site.label}: a context-addressed write must return a tensor (a dependency "
+                    f"token) to order its sync after it; it returns {type(value).__name__}")
+
+
+def _getitem(node: torch.fx.Node, index: int) -> torch.fx.Node:
+    with node.graph.inserting_after(node):
+        return node.graph.call_function(operator.getitem, (node, index))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,19 +363,19 @@ class Transport(abc.ABC):
         """A node holding payload ``segment`` of every rank, concatenated along dim 0 (rank
         order); with ``mask_own_rows`` (a re-run's slots) this rank's own rows read -1."""
 
+    @property
+    def context_token(self) -> torch.fx.Node | None:
+        """The token of the last scatter into context-addressed caches, which readers of those
+        caches wait on under the immediate schedule; None: this transport emitted none (a
+        transport that cannot write context caches refuses them in :meth:`exchange`)."""
+        return None
+
 
 TransportFactory = Callable[[GraphEmitter, SyncGroup], Transport]
 
 
-def _cache_tensor(rows: CacheRows) -> torch.fx.Node:
-    if isinstance(rows.cache, ContextRef):
-        ref = rows.cache
-        raise PlanError(
-            f"{rows.site.label}: context-addressed caches need the sync ops to resolve the cache "
-            f"at run time (resolver {ref.resolver!r}, handle {ref.handle!r}, roles "
-            f"{ref.cache_role!r}/{ref.slots_role!r}); this transport moves graph tensors only"
-        )
-    return rows.cache
+def _labels(rows: Sequence[CacheRows]) -> str:
+    return "\n".join(r.site.label.replace("\n", " ") for r in rows)
 
 
 class AllGatherTransport(Transport):
@@ -316,7 +386,12 @@ class AllGatherTransport(Transport):
         index    = pcppass.sync_read_header(gathered, world, fp, n_segments, verify_header)
         pcppass.sync_scatter_rows_all(caches, gathered, index, rows_segs, slots_segs, layouts,
                                       group, labels, check_conflicts)        # apply_rows
+        token = pcppass.sync_scatter_context(gathered, index, resolvers, handles, roles, rows_segs,
+                                             slots_segs, layouts, group, labels, check_conflicts)
         pcppass.sync_unpack(gathered, index, segment, local, group, mask)    # every_rank
+
+    Context-addressed caches are resolved by the scatter at run time; it returns an empty token
+    (:attr:`context_token`) that readers of those caches can wait on.
     """
 
     def __init__(self, emit: GraphEmitter, group: SyncGroup) -> None:
@@ -324,12 +399,18 @@ class AllGatherTransport(Transport):
         self.segments: Segments | None = None
         self.gathered: torch.fx.Node | None = None
         self.index: torch.fx.Node | None = None
+        self._context_token: torch.fx.Node | None = None
+
+    @property
+    def context_token(self) -> torch.fx.Node | None:
+        return self._context_token
 
     def exchange(self, segments: Segments) -> None:
         emit, group = self.emit, self.group
-        layouts = [x for rows in segments.rows for x in encode_layout(rows.layout)]
+        graph_rows = segments.graph_rows
+        layouts = [x for rows in graph_rows for x in encode_layout(rows.layout)]
         packed = emit.call(_SYNC.sync_pack.default, _FINGERPRINT_PENDING,
-                           [_cache_tensor(r) for r in segments.rows], [r.slots for r in segments.rows],
+                           [r.cache for r in graph_rows], [r.slots for r in graph_rows],
                            layouts, list(segments.payloads), fingerprint_at=0)
         gathered = emit.call(_c10d.all_gather_into_tensor.default, packed, group.world_size,
                              group.group_name)
@@ -340,15 +421,26 @@ class AllGatherTransport(Transport):
         self.segments = segments
 
     def apply_rows(self, rows: Sequence[CacheRows]) -> None:
-        if not rows:
-            return
-        self.emit.call(
-            _SYNC.sync_scatter_rows_all.default,
-            [_cache_tensor(r) for r in rows], self.gathered, self.index,
-            [r.rows_segment for r in rows], [r.slots_segment for r in rows],
-            [x for r in rows for x in encode_layout(r.layout)], self.group.group_name,
-            "\n".join(r.site.label.replace("\n", " ") for r in rows), self.group.check_conflicts,
-        )
+        graph_rows = [r for r in rows if not isinstance(r.cache, ContextRef)]
+        context_rows = [r for r in rows if isinstance(r.cache, ContextRef)]
+        if graph_rows:
+            self.emit.call(
+                _SYNC.sync_scatter_rows_all.default,
+                [r.cache for r in graph_rows], self.gathered, self.index,
+                [r.rows_segment for r in graph_rows], [r.slots_segment for r in graph_rows],
+                [x for r in graph_rows for x in encode_layout(r.layout)], self.group.group_name,
+                _labels(graph_rows), self.group.check_conflicts,
+            )
+        if context_rows:
+            refs = [r.cache for r in context_rows]
+            self._context_token = self.emit.call(
+                _SYNC.sync_scatter_context.default, self.gathered, self.index,
+                list(self.segments.context_after), "\n".join(ref.resolver for ref in refs), "\n".join(ref.handle for ref in refs),
+                "\n".join(ref.cache_role for ref in refs),
+                [r.rows_segment for r in context_rows], [r.slots_segment for r in context_rows],
+                [x for r in context_rows for x in encode_layout(r.layout)], self.group.group_name,
+                _labels(context_rows), self.group.check_conflicts,
+            )
 
     def every_rank(self, segment: int, mask_own_rows: bool) -> torch.fx.Node:
         assert self.segments is not None, "exchange() first"
@@ -401,6 +493,38 @@ def emit_collective(emit: GraphEmitter, sites: Sequence[SyncSite], group: SyncGr
     transport = make_transport(emit, group)
     transport.exchange(segments)
     apply_in_graph_order(emit, transport, segments)
+    if not snapshot:
+        wait_for_context_sync(emit, sites, transport)
+
+
+def wait_for_context_sync(emit: GraphEmitter, sites: Sequence[SyncSite], transport: Transport) -> None:
+    """Immediate schedule: whatever waited on a context-addressed write's dependency token (vLLM's
+    attention op takes it as ``kv_cache_dummy_dep``) waits on the sync instead, so it reads the
+    cache only once the other ranks' rows are in (the graph cannot see that it reads the cache).
+
+    Before / after, one vLLM layer::
+
+        token = unified_kv_cache_update(key, value, layer)      token = unified_kv_cache_update(...)
+        unified_attention_with_output(..., kv_cache_dummy_dep=token)
+                                                                 ... sync ...; synced = sync_scatter_context(...)
+                                                                 unified_attention_with_output(..., kv_cache_dummy_dep=synced)
+    """
+    context_sites = [s for s in sites if any(isinstance(c.cache, ContextRef) for c in s.caches)]
+    if not context_sites:
+        return
+    token = transport.context_token
+    if token is None:
+        raise PlanError(f"{context_sites[0].label}: the transport {type(transport).__name__} does not "
+                        f"sync context-addressed caches")
+    ours = set(emit.nodes)
+    for site in context_sites:
+        value = node_value(site.node)
+        if not (isinstance(value, torch.Tensor) and value.numel() == 0):
+            raise PlanError(f"{site.label}: under the immediate schedule a context-addressed write must "
+                            f"return an empty dependency token its readers wait on")
+        for user in list(site.node.users):
+            if user not in ours:
+                user.replace_input_with(site.node, token)
 
 
 #: what legitimately differs between ranks in a graph's text: object addresses and the rank's

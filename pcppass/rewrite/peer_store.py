@@ -166,6 +166,10 @@ class AutoTransport(Transport):
         assert self.chosen is not None, "exchange() first"
         return self.chosen.every_rank(segment, mask_own_rows)
 
+    @property
+    def context_token(self) -> torch.fx.Node | None:
+        return self.chosen.context_token if self.chosen is not None else None
+
 
 #: ``PcpBackend(transport=...)`` names
 TRANSPORTS = {"auto": AutoTransport, "allgather": AllGatherTransport, "peer": PeerStoreTransport}

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from pcppass.analysis.classify import cache_role
+from pcppass.analysis.classify import ContextUnresolved, cache_role, context_layouts
 from pcppass.analysis.records import StateWrite
 from pcppass.analysis.schema import bind_call, resolve_overload, written_args
 from pcppass.analysis.views import fake_value, node_value
@@ -51,7 +51,8 @@ class CacheSync:
     state: str  # source name of the base state tensor
     arg: str  # schema argument through which the op writes it
     cache: CacheRef  # the tensor the op receives (the base or a view of it), or a context ref
-    slots: torch.fx.Node  # the slot mapping addressing it
+    #: the slot mapping addressing it; None for a context ref (read with the rows at run time)
+    slots: torch.fx.Node | None
     layout: ResolvedLayout
 
 
@@ -83,10 +84,20 @@ class SyncSite:
         states = ", ".join(c.state for c in self.caches)
         return f"{self.op} at {self.source} writing {states}"
 
+    def rows_like(self) -> torch.fx.Node:
+        """A per-row input of the op (its row count is the rows a context cache is read for)."""
+        for name in self.pattern.row_args:
+            value = self.arguments.get(name)
+            if isinstance(value, torch.fx.Node):
+                return value
+        raise PlanError(f"{self.label}: none of the pattern's row_args {list(self.pattern.row_args)} "
+                        f"is a tensor in the graph")
+
     def describe(self) -> str:
         """Stable, rank-independent text of this site (part of the graph fingerprint)."""
         caches = "; ".join(
-            f"{c.arg}->{c.state} slots={c.slots.name} layout={c.layout}" for c in self.caches
+            f"{c.arg}->{c.state} slots={c.slots.name if c.slots is not None else c.cache} "
+            f"layout={c.layout}" for c in self.caches
         )
         rows = ",".join(f"{k}:{v}" for k, v in sorted(self.row_args.items()))
         return f"#{self.index} {self.op} node={self.node.name} {self.recipe.value} [{caches}] rows=[{rows}]"
@@ -211,6 +222,21 @@ def _layout(write: StateWrite, role: CacheRole, cache: torch.fx.Node,
     return role.layout.resolve(tuple(fake_cache.shape), fake_cache.element_size(), fake_args)
 
 
+def _context_caches(write: StateWrite, arguments: dict[str, Any]) -> list[CacheSync]:
+    """One :class:`CacheSync` per cache the pattern fetches through the handle ``write.arg``
+    (layouts resolved again on what the resolver describes, as classification did)."""
+    pattern = write.pattern
+    roles = pattern.context_roles(write.arg)
+    fake_args = {k: fake_value(v) for k, v in arguments.items()}
+    try:
+        layouts = context_layouts(pattern, roles, write.state, fake_args)
+    except ContextUnresolved as exc:
+        raise PlanError(f"{write.op} at {write.source}: {exc}") from exc
+    return [CacheSync(write.state, write.arg, ContextRef(pattern.resolver, write.state, role.cache, role.slots),
+                      None, layout)
+            for role, layout in zip(roles, layouts)]
+
+
 def _written_arg_names(node: torch.fx.Node) -> list[str]:
     """Arguments the op's schema marks as written (none for calls without a schema)."""
     overload = resolve_overload(node.target, node.args, dict(node.kwargs)) if node.op == "call_function" else None
@@ -226,6 +252,8 @@ def plan_sync(writes: Sequence[StateWrite]) -> SyncPlan:
     for w in writes:
         if not w.covered:
             raise PlanError(f"cannot plan an uncovered write: {w.op} at {w.source}")
+        if w.pattern.recipe is Recipe.READ_ONLY:
+            continue  # the op only reads the state its handle addresses: nothing to sync
         by_node.setdefault(w.node, []).append(w)
     if not by_node:
         return SyncPlan([])
@@ -239,6 +267,9 @@ def plan_sync(writes: Sequence[StateWrite]) -> SyncPlan:
         arguments = dict(records[0].bound_args) or bind_arguments(node)
         caches = []
         for w in records:
+            if w.state_node is None:  # a handle: caches fetched at run time through it
+                caches.extend(_context_caches(w, arguments))
+                continue
             role = _role(w)
             written = w.written_node if w.written_node is not None else _tensor_node(arguments, role.arg, where)
             layout = _layout(w, role, written, arguments)

@@ -25,7 +25,7 @@ import torch
 import torch.fx
 
 from pcppass.errors import PcpInputError
-from pcppass.rewrite.plan import SyncPlan
+from pcppass.rewrite.plan import ContextRef, SyncPlan
 
 
 
@@ -84,13 +84,31 @@ class _Symbols:
         return int(expr.xreplace(values))
 
 
-class InputValidator:
-    """Checks the slot-mapping inputs of one rewritten graph (see the module docstring)."""
+@dataclass(frozen=True)
+class HandleInputCheck:
+    """A cache handle the graph receives as an input (a hoisted opaque object such as vLLM's
+    ``LayerName``): the sync fetches the caches of the value the graph was compiled for, so a call
+    with another value (from a caller that skips Dynamo's guards, as vLLM does) is refused."""
 
-    def __init__(self, checks: list[SlotInputCheck], symbols: _Symbols, rank: int | None = None):
+    input_index: int
+    input_name: str
+    op: str
+    source: str
+    #: the compiled-for object, compared with ``==`` (a value type's guard compares the same way)
+    expected: Any
+    handle: str
+
+
+class InputValidator:
+    """Checks the slot-mapping inputs of one rewritten graph (see the module docstring), and the
+    cache handles it was compiled for."""
+
+    def __init__(self, checks: list[SlotInputCheck], symbols: _Symbols, rank: int | None = None,
+                 handle_checks: Sequence[HandleInputCheck] = ()):
         self.checks = checks
         self.symbols = symbols
         self.rank = rank
+        self.handle_checks = list(handle_checks)
 
     @classmethod
     def from_plan(cls, gm: torch.fx.GraphModule, plan: SyncPlan, rank: int | None = None) -> "InputValidator":
@@ -109,9 +127,16 @@ class InputValidator:
                 # one mapping feeding a skipping op and an aten write: the aten rule is stricter
                 if key not in checks or (check.aten_family and not checks[key].aten_family):
                     checks[key] = check
-        return cls(list(checks.values()), _Symbols(placeholders), rank)
+        return cls(list(checks.values()), _Symbols(placeholders), rank, _handle_checks(plan, index))
 
     def __call__(self, args: Sequence[Any]) -> None:
+        for check in self.handle_checks:
+            if not check.expected == args[check.input_index]:
+                rank = f"rank {self.rank}: " if self.rank is not None else ""
+                raise PcpInputError(
+                    f"{rank}{check.op} ({check.source}) receives the handle {check.input_name}="
+                    f"{args[check.input_index]!r}, but the graph was compiled for {check.handle!r}: "
+                    "its replica sync would fetch the caches of another handle")
         for check in self.checks:
             slots = args[check.input_index]
             rank = f"rank {self.rank}: " if self.rank is not None else ""
@@ -161,9 +186,23 @@ def num_slots_expr(cache: torch.Tensor, layout) -> Any:
     return _expr(cache.shape[layout.dim])
 
 
+def _handle_checks(plan: SyncPlan, index: dict[torch.fx.Node, int]) -> list[HandleInputCheck]:
+    """One check per handle of a context-addressed cache that is a graph input."""
+    checks: dict[int, HandleInputCheck] = {}
+    for site in plan.sites:
+        for c in site.caches:
+            node = site.arguments.get(c.arg)
+            if isinstance(c.cache, ContextRef) and node in index:
+                expected = _fake(node)
+                expected = getattr(expected, "real_obj", expected)  # FakeScriptObject -> object
+                checks[index[node]] = HandleInputCheck(index[node], node.name, site.op, site.source,
+                                                       expected, c.cache.handle)
+    return list(checks.values())
+
+
 def validating(compiled: Callable, validator: InputValidator) -> Callable:
     """``compiled`` (called by Dynamo with the graph inputs) preceded by ``validator``."""
-    if not validator.checks:
+    if not validator.checks and not validator.handle_checks:
         return compiled
 
     def run(*args: Any) -> Any:

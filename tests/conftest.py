@@ -1,0 +1,29 @@
+"""Test collection and fixtures shared by test modules."""
+
+import importlib.util
+
+import pytest
+
+# tests/test_vllm_*.py run in the vLLM job of .ci/run, whose own venv has vLLM installed (an
+# install failure fails that job, and a run that collects no test fails too); an environment
+# without vLLM does not collect them.
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore_glob = ["test_vllm_*.py"]
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dirs(tmp_path_factory):
+    """The vLLM job's tiny random models, built once per session: {name: directory}."""
+    from vllm_cases import BUILDERS
+
+    root = tmp_path_factory.mktemp("vllm_models")
+    return {name: build(root / name) for name, build in BUILDERS.items()}
+
+
+@pytest.fixture(scope="session")
+def vllm_reference_tokens(vllm_model_dirs):
+    """vLLM's own ``LLM.generate`` (its default compile) on the test prompts, both models at once."""
+    from vllm_cases import finish_worker, start_worker
+
+    procs = {name: start_worker("generate", path, backend="default") for name, path in vllm_model_dirs.items()}
+    return {name: finish_worker(proc)["tokens"] for name, proc in procs.items()}

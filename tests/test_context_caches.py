@@ -1,0 +1,311 @@
+"""Context-addressed caches: ops that fetch their cache by handle at run time, synced through a
+resolver, on 2 gloo ranks.
+
+The ops here behave like vLLM's (``vllm::unified_kv_cache_update``): they take a layer name (a
+string, or a hoisted opaque value object like vLLM's ``LayerName``), fetch the cache and the slot
+mapping from a per-step context, declare no mutation and return an empty dependency token. The
+caches are never graph inputs, so the sync ops that write them must survive functionalization and
+dead-code elimination: checked under eager, aot_eager and Inductor. After a step every cache is
+bitwise identical on both ranks and holds every rank's rows; the next step's outputs (which read
+the whole cache) equal a single-rank run's. A handle whose resolver is not registered is refused
+at compile time; a cache whose rows no longer match the compiled layout, and a handle other than
+the one the graph was compiled for, are refused at run time before anything is written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
+from torch._opaque_base import OpaqueBase
+
+from pcppass.compiler import PcpBackend
+from pcppass.engine.launch import launch
+from pcppass.errors import PcpCoverageError, PcpSyncError
+from pcppass.registry import register_pattern, register_resolver, unregister_resolver
+from pcppass.spec import ContextCache, Recipe, WritePattern
+
+ROWS, WIDTH, BLOCK, BLOCKS = 4, 8, 4, 6
+LAYERS = ("layers.0", "layers.1")
+
+#: the per-step context the ops read (the engine's, in vLLM: the forward context)
+CONTEXT: dict[str, dict[str, torch.Tensor]] = {}
+
+
+class Handle(OpaqueBase):
+    """A layer name as a hoisted opaque value object (what vLLM's ``LayerName`` is)."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Handle) and other.value == self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __fx_repr__(self):
+        return f"Handle({self.value!r})", {"Handle": Handle}
+
+
+register_opaque_type(Handle, typ="value", hoist=True)
+
+
+def _name(layer_name) -> str:
+    return layer_name.value if isinstance(layer_name, Handle) else layer_name
+
+
+def _write(x: torch.Tensor, layer_name) -> torch.Tensor:
+    entry = CONTEXT[_name(layer_name)]
+    slots = entry["slots"]
+    keep = slots >= 0
+    s = slots[keep]
+    entry["kv"][s // BLOCK, s % BLOCK] = x[keep].to(entry["kv"].dtype)
+    return x.new_empty(0)
+
+
+def _attend(q: torch.Tensor, layer_name, dep: torch.Tensor) -> torch.Tensor:
+    return q + CONTEXT[_name(layer_name)]["kv"].float().sum() / 64
+
+
+# Each op twice: the layer name as a string, and (suffix _h) as the hoisted opaque Handle.
+LIB = torch.library.Library("ctxtest", "FRAGMENT")
+for suffix, handle_type in (("", "str"), ("_h", get_opaque_type_name(Handle))):
+    LIB.define(f"write_rows{suffix}(Tensor x, {handle_type} layer_name) -> Tensor")
+    LIB.define(f"attend{suffix}(Tensor q, {handle_type} layer_name, Tensor dep) -> Tensor")
+    LIB.impl(f"write_rows{suffix}", _write, "CompositeExplicitAutograd")
+    LIB.impl(f"attend{suffix}", _attend, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"ctxtest::write_rows{suffix}", lambda x, layer_name: x.new_empty(0), lib=LIB)
+    torch.library.register_fake(f"ctxtest::attend{suffix}", lambda q, layer_name, dep: torch.empty_like(q),
+                                lib=LIB)
+
+
+def resolve(handle: str) -> dict[str, torch.Tensor]:
+    entry = CONTEXT[handle]
+    return {"kv_cache": entry["kv"], "slot_mapping": entry["slots"]}
+
+
+register_pattern(WritePattern(
+    name="ctxtest.write_rows", ops=("ctxtest::write_rows", "ctxtest::write_rows_h"), caches=(),
+    context=(ContextCache("layer_name", cache="kv_cache", slots="slot_mapping"),),
+    resolver="ctxtest", row_args={"x": 0}, recipe=Recipe.COPY_ROWS,
+))
+register_pattern(WritePattern(
+    name="ctxtest.attend", ops=("ctxtest::attend", "ctxtest::attend_h"), caches=(),
+    reads=("layer_name",), recipe=Recipe.READ_ONLY,
+))
+
+
+class Model(torch.nn.Module):
+    """Two layers: each writes its rows by layer name, then reads the whole cache."""
+
+    def __init__(self, opaque: bool) -> None:
+        super().__init__()
+        self.opaque = opaque
+        self.handles = [Handle(name) for name in LAYERS]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name, handle in zip(LAYERS, self.handles):
+            if self.opaque:
+                token = torch.ops.ctxtest.write_rows_h(x * 2, handle)
+                x = torch.ops.ctxtest.attend_h(x, handle, token)
+            else:
+                token = torch.ops.ctxtest.write_rows(x * 2, name)
+                x = torch.ops.ctxtest.attend(x, name, token)
+        return x
+
+
+def _step_inputs(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of this rank (distinct values) and their slots: rank r owns slots r, r + world, ...;
+    the last row is padding (slot -1)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(ROWS, WIDTH, generator=g)
+    slots = torch.tensor([step * ROWS * world + r * world + rank for r in range(ROWS - 1)] + [-1])
+    return x, slots
+
+
+def _fresh_context(dtype=torch.float32) -> None:
+    CONTEXT.clear()
+    for name in LAYERS:
+        CONTEXT[name] = {"kv": torch.zeros(BLOCKS, BLOCK, WIDTH, dtype=dtype), "slots": torch.empty(0)}
+
+
+def _set_slots(slots: torch.Tensor) -> None:
+    for name in LAYERS:
+        CONTEXT[name]["slots"] = slots
+
+
+def _rank_run(rank: int, world: int, inner: str, opaque: bool, schedule: str):
+    register_resolver("ctxtest", resolve, replace=True)
+    _fresh_context(torch.bfloat16)
+    backend = PcpBackend(inner=inner, schedule=schedule)
+    compiled = torch.compile(Model(opaque), backend=backend, fullgraph=True)
+    outputs, caches = [], []
+    for step in range(2):
+        x, slots = _step_inputs(step, rank, world)
+        _set_slots(slots)
+        outputs.append(compiled(x).numpy())  # numpy: sent back by value, not shared memory
+        caches.append({name: CONTEXT[name]["kv"].view(torch.int16).numpy().copy() for name in LAYERS})
+    report = backend.reports[-1]
+    return outputs, caches, report.mode, report.all_gather_nodes, [
+        (w.op, w.state, w.pattern.recipe.value) for w in report.writes]
+
+
+def _reference(world: int, opaque: bool, schedule: str):
+    """Every rank's step run eagerly on one process. Deferred schedule: rank r starts from the
+    caches as synced after the previous step and adds its own rows (what its replica holds while it
+    computes). Immediate schedule: layer by layer, every rank's rows are in before any rank reads
+    the layer's cache. Returns per step the outputs of every rank and the synced caches."""
+    _fresh_context(torch.bfloat16)
+    synced = {name: CONTEXT[name]["kv"].clone() for name in LAYERS}
+    outputs, caches = [], []
+    for step in range(2):
+        inputs = [_step_inputs(step, rank, world) for rank in range(world)]
+        if schedule == "immediate":
+            xs = [x for x, _ in inputs]
+            for name in LAYERS:
+                CONTEXT[name]["kv"] = synced[name]
+                for r, (_, slots) in enumerate(inputs):
+                    _set_slots(slots)
+                    _write(xs[r] * 2, name)
+                xs = [_attend(x, name, x) for x in xs]
+            outputs.append(xs)
+        else:
+            merged = {name: t.clone() for name, t in synced.items()}
+            per_rank = []
+            for x, slots in inputs:
+                for name in LAYERS:
+                    CONTEXT[name]["kv"] = synced[name].clone()
+                _set_slots(slots)
+                per_rank.append(Model(opaque)(x))
+                s = slots[slots >= 0]
+                for name in LAYERS:
+                    merged[name][s // BLOCK, s % BLOCK] = CONTEXT[name]["kv"][s // BLOCK, s % BLOCK]
+            synced = merged
+            outputs.append(per_rank)
+        caches.append({name: t.clone() for name, t in synced.items()})
+    return outputs, caches
+
+
+def _rank_unresolved(rank: int, world: int) -> tuple[str, str] | None:
+    """Compile with the resolver unregistered: the refusal (type, message), or None."""
+    unregister_resolver("ctxtest")
+    _fresh_context()
+    x, slots = _step_inputs(0, rank, world)
+    _set_slots(slots)
+    compiled = torch.compile(Model(False), backend=PcpBackend(inner="eager"), fullgraph=True)
+    try:
+        compiled(x)
+    except Exception as exc:  # noqa: BLE001
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+        return type(inner).__name__, str(inner)
+    return None
+
+
+def _rank_wider_rows(rank: int, world: int) -> tuple[str, str] | None:
+    """After a first step, the engine hands out caches whose rows are wider than compiled for:
+    the step's sync refuses (type, message) before it writes any replica."""
+    register_resolver("ctxtest", resolve, replace=True)
+    _fresh_context()
+    compiled = torch.compile(Model(False), backend=PcpBackend(inner="eager"), fullgraph=True)
+    x, slots = _step_inputs(0, rank, world)
+    _set_slots(slots)
+    compiled(x)
+    for name in LAYERS:
+        CONTEXT[name]["kv"] = torch.zeros(BLOCKS, BLOCK, WIDTH, dtype=torch.float64)
+    try:
+        compiled(x)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return None
+
+
+#: (inner compiler, opaque handle, schedule): strings under eager, hoisted opaque objects under AOT
+#: and Inductor; the immediate schedule (the readers wait on the sync) under Inductor
+COMPILERS = [("eager", False, "deferred"), ("aot_eager", True, "deferred"), ("inductor", True, "deferred"),
+             ("inductor", False, "immediate")]
+
+
+def _rank_all(rank: int, world: int):
+    synced = []
+    for inner, opaque, schedule in COMPILERS:
+        torch._dynamo.reset()
+        synced.append(_rank_run(rank, world, inner, opaque, schedule))
+    torch._dynamo.reset()
+    unresolved = _rank_unresolved(rank, world)
+    torch._dynamo.reset()
+    # last: a failed step aborts the process group (fail-stop)
+    return synced, _rank_wider_rows(rank, world), unresolved
+
+
+@pytest.mark.timeout(400)
+def test_context_caches_synced_under_every_compiler_and_refused_when_unresolved():
+    world = 2
+    ranks = launch(_rank_all, world, timeout_s=380)
+    for i, (inner, opaque, schedule) in enumerate(COMPILERS):
+        ref_outputs, ref_caches = _reference(world, opaque, schedule)
+        suffix = "_h" if opaque else ""
+        for rank in range(world):
+            outputs, caches, mode, gathers, writes = ranks[rank][0][i]
+            # one collective per step (deferred) or per write site (immediate)
+            assert mode == "sharded" and gathers == (1 if schedule == "deferred" else 2), (inner, mode, gathers)
+            assert sorted(writes) == sorted(
+                [(f"ctxtest::write_rows{suffix}", name, "copy_rows") for name in LAYERS]
+                + [(f"ctxtest::attend{suffix}", name, "read_only") for name in LAYERS])
+            for step in range(2):
+                for name in LAYERS:
+                    # the sync wrote the other rank's rows: every replica equals the merged cache
+                    assert torch.equal(torch.from_numpy(caches[step][name]),
+                                       ref_caches[step][name].view(torch.int16)), (inner, schedule, rank, step, name)
+                # deferred: step 1 reads the rows the other rank wrote at step 0 (synced at its
+                # end); immediate: each layer reads every rank's rows of the step
+                torch.testing.assert_close(torch.from_numpy(outputs[step]), ref_outputs[step][rank])
+    for rank in range(world):
+        _, wider, unresolved = ranks[rank]
+        assert wider is not None and wider[0] == PcpSyncError.__name__, wider
+        assert "'layers.0'" in wider[1] and "64 B per row, compiled for 32" in wider[1], wider[1]
+        assert unresolved is not None and unresolved[0] == PcpCoverageError.__name__, unresolved
+        assert "ctxtest::write_rows writes layers.0" in unresolved[1], unresolved[1]
+        assert "resolver 'ctxtest', which is not registered" in unresolved[1], unresolved[1]
+
+
+def _rank_other_handle(rank: int, world: int):
+    """A caller that skips Dynamo's guards (vLLM calls the compiled graph directly) hands the graph
+    another layer's handle: refused before the graph runs, nothing written."""
+    register_resolver("ctxtest", resolve, replace=True)
+    _fresh_context()
+    compiled_steps = []
+
+    def backend(gm, example_inputs):
+        step = PcpBackend(inner="eager")(gm, example_inputs)
+
+        def run(*args):
+            compiled_steps.append(args)
+            return step(*args)
+
+        compiled_steps.append(run)
+        return run
+
+    compiled = torch.compile(Model(True), backend=backend, fullgraph=True)
+    x, slots = _step_inputs(0, rank, world)
+    _set_slots(slots)
+    compiled(x)
+    run, args = compiled_steps[0], list(compiled_steps[1])
+    handles = [i for i, a in enumerate(args) if isinstance(a, Handle)]
+    args[handles[0]], args[handles[1]] = args[handles[1]], args[handles[0]]  # layers swapped
+    before = {name: CONTEXT[name]["kv"].clone() for name in LAYERS}
+    try:
+        run(*args)
+    except Exception as exc:  # noqa: BLE001
+        untouched = all(torch.equal(before[n], CONTEXT[n]["kv"]) for n in LAYERS)
+        return type(exc).__name__, str(exc), untouched
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_graph_called_with_another_handle_is_refused_before_it_runs():
+    for result in launch(_rank_other_handle, 2, timeout_s=100):
+        assert result is not None and result[0] == "PcpInputError", result
+        assert "compiled for 'layers." in result[1] and "Handle" in result[1], result[1]
+        assert result[2], "a refused step wrote a cache"

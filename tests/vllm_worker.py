@@ -1,0 +1,67 @@
+"""One vLLM run in its own process, for the vLLM job (started by ``vllm_cases.start_worker``).
+
+``python tests/vllm_worker.py '{"task": "generate", "model_dir": ..., "backend": "pcppass"}'``
+runs ``vllm.LLM.generate`` on the test prompts (greedy) with vLLM's default compile
+(``"backend": "default"``) or with pcppass's backend for vLLM, and prints one line
+``PCPPASS_RESULT {json}``: the tokens, and with pcppass what its backend found and inserted and
+how many sync collectives each step ran.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from vllm_cases import MAX_TOKENS, PROMPTS
+
+
+def _write_row(w) -> dict:
+    return {"op": w.op, "arg": w.arg, "state": w.state, "source": w.source, "covered": w.covered,
+            "pattern": w.pattern.name if w.pattern is not None else None,
+            "recipe": w.pattern.recipe.value if w.pattern is not None else None,
+            "bytes_per_row": w.bytes_per_row, "reason": w.reason.value if w.reason else None,
+            "detail": w.detail}
+
+
+def generate(options: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    args = dict(model=options["model_dir"], skip_tokenizer_init=True, dtype="float32", max_model_len=256)
+    result: dict = {}
+    if options["backend"] == "pcppass":
+        import pcppass.integrations.vllm as integration
+        from pcppass.runtime.stats import SYNC_COUNTERS
+
+        for name in options.get("unregister", ()):
+            from pcppass.registry import unregister_pattern
+
+            unregister_pattern(name)
+        args["compilation_config"] = {"mode": 2, "backend": "pcppass.integrations.vllm.backend"}
+    try:
+        llm = LLM(**args)
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result of a negative control
+        cause = exc
+        while cause.__cause__ is not None or getattr(cause, "inner_exception", None) is not None:
+            cause = getattr(cause, "inner_exception", None) or cause.__cause__
+        return {"error": type(cause).__name__, "message": str(cause)}
+    if options["backend"] == "pcppass":
+        SYNC_COUNTERS.take()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+    if options["backend"] == "pcppass":
+        reports = integration.backend.reports
+        result["graphs"] = len(reports)
+        result["writes"] = [_write_row(w) for w in reports[0].writes]
+        result["collectives_per_graph"] = [r.rewrite.collectives for r in reports]
+        result["sync_collectives_run"] = SYNC_COUNTERS.take().collectives
+    return result
+
+
+TASKS = {"generate": generate}
+
+
+if __name__ == "__main__":
+    opts = json.loads(sys.argv[1])
+    out = TASKS[opts["task"]](opts)
+    print("PCPPASS_RESULT " + json.dumps(out), flush=True)
