@@ -32,6 +32,7 @@ Each compile appends a :class:`CompileReport` to ``backend.reports``; a runner r
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
@@ -48,6 +49,8 @@ from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
 from pcppass.runtime.fingerprint import exchange_fingerprint
 from pcppass.runtime.state_checks import checking_state
 from pcppass.runtime.validate import InputValidator, validating
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CompileReport", "Inner", "OnUncovered", "PcpBackend", "PcpSyncPass", "SyncChecks", "backend"]
 
@@ -140,6 +143,14 @@ class PcpBackend:
         return any(r.mode == "replicated" for r in self.reports)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if torch._dynamo.config.suppress_errors:
+            # Dynamo would run the frame eagerly, unsynchronised, on any error raised here (a
+            # refusal included): refuse when the step runs instead, which Dynamo does not catch.
+            return refusing(PcpSyncError(_SUPPRESS_ERRORS))
+        keep_dynamo_from_running_steps_eagerly()
+        return self._compile(gm, example_inputs)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         report = CompileReport("sharded", "", [], self.schedule, self.inner, graph=gm)
         self.reports.append(report)
         result = self.sync_pass.apply(gm, fingerprint_extra=f"inner={self.inner}")
@@ -188,6 +199,37 @@ class PcpBackend:
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs)
+
+
+_SUPPRESS_ERRORS = (
+    "pcppass: torch._dynamo.config.suppress_errors is on: Dynamo then runs a frame eagerly "
+    "whenever compiling it fails (a pcppass refusal, Dynamo's recompile limit, an unsupported "
+    "construct), and an eager step writes its rows on this rank only. pcppass refuses every step "
+    "compiled under it; turn it off (torch._dynamo.config.suppress_errors = False, unset "
+    "TORCHDYNAMO_SUPPRESS_ERRORS)."
+)
+
+
+def keep_dynamo_from_running_steps_eagerly() -> None:
+    """Past ``torch._dynamo.config.recompile_limit`` Dynamo runs a frame eagerly, without calling
+    the backend, unless the frame was compiled with ``fullgraph=True`` or
+    ``fail_on_recompile_limit_hit`` is set: an eager decode step writes its rows on its own rank
+    only. Set it, process-wide, from the first graph a pcppass backend compiles on (it then
+    raises ``FailOnRecompileLimitHit`` before the frame runs, for every frame of the process)."""
+    config = torch._dynamo.config
+    if not config.fail_on_recompile_limit_hit:
+        log.info("pcppass: setting torch._dynamo.config.fail_on_recompile_limit_hit = True: past the "
+                 "recompile limit a step must fail, not run eagerly without its replica sync")
+        config.fail_on_recompile_limit_hit = True
+
+
+def refusing(error: Exception) -> Callable:
+    """A compiled step that raises ``error`` when called, before running anything."""
+
+    def refuse(*args: Any) -> Any:
+        raise error
+
+    return refuse
 
 
 def count_all_gathers(gm: torch.fx.GraphModule) -> int:
