@@ -23,7 +23,9 @@ partitioned prefill breaks that, and no graph analysis can see it, so pcppass ne
 Failures are fail-stop: a rank that fails a check its peers passed (bad inputs on that rank, a
 compile the others did not make) or whose step fails aborts the process group before raising, so
 the peers' collectives fail at once instead of waiting for the process-group timeout
-(:mod:`pcppass.runtime.failstop`).
+(:mod:`pcppass.runtime.failstop`). A rank that dies or hangs is found by the peers' liveness watch
+(a heartbeat per rank in the c10d store, :mod:`pcppass.runtime.liveness`), which aborts their
+group within ``SyncChecks.liveness_timeout_s`` and names it.
 
 Each compile appends a :class:`CompileReport` to ``backend.reports``; a runner reads
 ``backend.replicated`` to know that decode must stay replicated.
@@ -47,6 +49,7 @@ from pcppass.rewrite.insert import Schedule, SyncRewrite
 from pcppass.rewrite.sync_pass import Mode, OnUncovered, PcpSyncPass
 from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
 from pcppass.runtime.fingerprint import exchange_fingerprint
+from pcppass.runtime.liveness import watch_peers
 from pcppass.runtime.state_checks import checking_state
 from pcppass.runtime.validate import InputValidator, validating
 
@@ -162,6 +165,8 @@ class PcpBackend:
         report.rewrite = result.rewrite
         report.all_gather_nodes = count_all_gathers(gm)
         rank = group_rank(result.group)
+        # started before the fingerprint exchange: a peer that passes it has beaten once
+        watch = watch_peers(self.group, self.checks)
         if self.checks.compile_fingerprint:
             try:
                 exchange_fingerprint(result.rewrite.fingerprint, result.group, namespace=self.name,
@@ -179,7 +184,7 @@ class PcpBackend:
         compiled = checking_state(compiled, gm, self.group, checks, rank)
         if self.checks.inputs:
             compiled = validating(compiled, InputValidator.from_plan(gm, result.plan, rank=rank))
-        return fail_stopping(compiled, self.group, rank, f"the {self.name} step")
+        return fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch)
 
     def _refuse_if_sharded_only(self, report: CompileReport) -> None:
         if self.sharded_only:
