@@ -50,7 +50,7 @@ from pcppass.rewrite.sync_pass import Mode, OnUncovered, PcpSyncPass
 from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
 from pcppass.runtime.fingerprint import exchange_fingerprint
 from pcppass.runtime.liveness import watch_peers
-from pcppass.runtime.state_checks import checking_state
+from pcppass.runtime.state_checks import StepHistory, checking_state
 from pcppass.runtime.validate import InputValidator, validating
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ class PcpBackend:
         self.inner: Inner = inner
         self.name = name or schedule
         self.reports: list[CompileReport] = []
+        #: what the previous call of any of this backend's graphs returned (the rebinding check)
+        self.history = StepHistory()
         #: set by a runner that already shards decode on the strength of earlier compiles: a later
         #: graph (a recompile) that would have to run replicated is refused with PcpSyncError
         self.sharded_only = False
@@ -181,7 +183,7 @@ class PcpBackend:
             # Uncovered writes diverge on purpose here (a negative control): the digest would only
             # report the divergence the caller asked for; the caller's own comparison must show it.
             checks = dataclasses.replace(checks, state_digest=False)
-        compiled = checking_state(compiled, gm, self.group, checks, rank)
+        compiled = checking_state(compiled, gm, self.group, checks, rank, self.history)
         if self.checks.inputs:
             compiled = validating(compiled, InputValidator.from_plan(gm, result.plan, rank=rank))
         return fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch)
