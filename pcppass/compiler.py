@@ -46,7 +46,10 @@ from pcppass.analysis import StateWrite
 from pcppass.checks import SyncChecks
 from pcppass.errors import PcpSyncError
 from pcppass.rewrite.insert import Schedule, SyncRewrite
+from pcppass.rewrite.peer_store import TRANSPORTS, transports_of
 from pcppass.rewrite.sync_pass import Mode, OnUncovered, PcpSyncPass
+from pcppass.runtime import device_checks
+from pcppass.runtime.device_checks import DeviceSlotChecks
 from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
 from pcppass.runtime.fingerprint import exchange_fingerprint
 from pcppass.runtime.liveness import watch_peers
@@ -75,6 +78,8 @@ class CompileReport:
     graph: torch.fx.GraphModule | None = field(default=None, repr=False)
     #: all-gather nodes in the graph handed to the inner compiler (counted, not planned)
     all_gather_nodes: int = 0
+    #: how the rewritten graph moves rows between replicas (``rewrite.peer_store.transports_of``)
+    transport: str = ""
 
     @property
     def uncovered(self) -> list[StateWrite]:
@@ -91,6 +96,10 @@ class PcpBackend:
     ``group``, ``schedule``, ``on_uncovered``, ``dcp_size``, ``checks``, ``whole_step``: the
     :class:`PcpSyncPass` configuration. ``inner``: the compiler the rewritten graph goes to.
     ``name``: names this backend's graphs in errors and fingerprint exchanges.
+    ``transport``: ``"auto"`` (peer stores where every replica of every cache lives in symmetric
+    memory on NCCL ranks, the all-gather otherwise; always the all-gather under ``aot_eager``,
+    which hands mutating ops copies of the caches), ``"allgather"`` or ``"peer"``
+    (:mod:`pcppass.rewrite.peer_store`).
     """
 
     def __init__(
@@ -103,11 +112,21 @@ class PcpBackend:
         checks: SyncChecks = SyncChecks(),
         name: str | None = None,
         whole_step: bool = False,
+        transport: str = "auto",
     ) -> None:
         if inner not in _INNERS:
             raise ValueError(f"inner must be one of {_INNERS}, got {inner!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {tuple(TRANSPORTS)}, got {transport!r}")
+        if inner == "aot_eager" and transport != "allgather":
+            # aot_eager hands a mutating op copies of its inputs (no re-inplacing): peers would
+            # store into the copies. Inductor and eager pass the caches themselves.
+            if transport == "peer":
+                raise ValueError("transport='peer' needs inner='inductor' or 'eager' (aot_eager copies the caches)")
+            transport = "allgather"
         self.sync_pass = PcpSyncPass(group, schedule=schedule, on_uncovered=on_uncovered,
-                                     dcp_size=dcp_size, checks=checks, whole_step=whole_step)
+                                     dcp_size=dcp_size, checks=checks, whole_step=whole_step,
+                                     transport=TRANSPORTS[transport])
         self.inner: Inner = inner
         self.name = name or schedule
         self.reports: list[CompileReport] = []
@@ -166,6 +185,7 @@ class PcpBackend:
             return self._compile_inner(gm, example_inputs)
         report.rewrite = result.rewrite
         report.all_gather_nodes = count_all_gathers(gm)
+        report.transport = transports_of(gm)
         rank = group_rank(result.group)
         # started before the fingerprint exchange: a peer that passes it has beaten once
         watch = watch_peers(self.group, self.checks)
@@ -184,8 +204,12 @@ class PcpBackend:
             # report the divergence the caller asked for; the caller's own comparison must show it.
             checks = dataclasses.replace(checks, state_digest=False)
         compiled = checking_state(compiled, gm, self.group, checks, rank, self.history)
-        if self.checks.inputs:
-            compiled = validating(compiled, InputValidator.from_plan(gm, result.plan, rank=rank))
+        validator = InputValidator.from_plan(gm, result.plan, rank=rank) if self.checks.inputs else None
+        device = _cuda_device(example_inputs)
+        if device is not None:  # checks on the device, raised before the next step (no host read)
+            compiled = device_checks.checking(compiled, device, validator and DeviceSlotChecks.of(validator))
+        elif validator is not None:
+            compiled = validating(compiled, validator)
         return fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch)
 
     def _refuse_if_sharded_only(self, report: CompileReport) -> None:
@@ -237,6 +261,10 @@ def refusing(error: Exception) -> Callable:
         raise error
 
     return refuse
+
+
+def _cuda_device(example_inputs: Sequence[Any]) -> torch.device | None:
+    return next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
 
 
 def count_all_gathers(gm: torch.fx.GraphModule) -> int:

@@ -202,7 +202,10 @@ class ShardedRunner:
                           padded_tokens=WARMUP_ROWS, restore_index=())
         local = build_local_step(step, plan, engine.rank, engine.groups, engine.table_columns,
                                  engine.device)
-        scratch = {name: torch.zeros_like(t) for name, t in engine.caches.items()}
+        # allocated like the engine's caches: the backend picks the sync transport from them
+        alloc = engine.config.cache_allocator
+        scratch = {name: alloc(t.shape, t.dtype, t.device) if alloc else torch.zeros_like(t)
+                   for name, t in engine.caches.items()}
         for kind in ("decode", "mixed"):
             self(local.input_ids, local.positions, local.meta, scratch, kind)
         self.step_syncs.clear()

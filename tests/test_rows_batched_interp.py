@@ -8,17 +8,15 @@ Also: the device tables are built once per configuration and reused; a cache the
 address (non-contiguous rows) falls back to the plain-torch path with the same bytes.
 """
 
-import datetime
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from pcppass.engine.launch import free_port
 from pcppass.kernels import row_kernels, rows_cuda
 from pcppass.kernels.rows import encode_layout
 from pcppass.spec import ResolvedLayout
+from sync_cases import group_name, interpret  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("interpret")
 
 OPS = torch.ops.pcppass
 FP = "fedcba9876543210fedcba9876543210"
@@ -30,25 +28,6 @@ INDEXED = ResolvedLayout("indexed_dim", 1, 2 * 5 * 4, dim=1)  # fp32 [2, nb*bs, 
 MLA = ResolvedLayout("paged_rows", BS, 20)  # uint8 [nb, bs, 20], odd row bytes: unaligned segments
 LAYOUTS = [PAGED, SPLIT, INDEXED, MLA, SPLIT]
 ENCODED = [x for lay in LAYOUTS for x in encode_layout(lay)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpret():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-
-
-@pytest.fixture(scope="module")
-def group_name():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
 
 
 def caches(seed):
@@ -102,6 +81,7 @@ def test_batched_pack_and_scatter_match_reference(group_name, case):
     for i, lay in enumerate(LAYOUTS):
         OPS.sync_scatter_rows(expected[i], gathered, index, i, slots_segments[i], encode_layout(lay),
                               group_name, sites[i], False)
+
     row_kernels._TABLES.clear()
     for fn in (OPS.sync_scatter_rows_all, rows_cuda.scatter_rows_all):
         got = caches(0)

@@ -6,17 +6,14 @@ process and concatenated as the all-gather would; the scatter runs as rank 0 of 
 group, so rank 1's rows are the remote ones.
 """
 
-import datetime
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from pcppass.engine.launch import free_port
 from pcppass.kernels import rows_cuda
 from pcppass.kernels.rows import encode_layout
 from pcppass.spec import ResolvedLayout
+from sync_cases import group_name  # noqa: F401  (a fixture)
 
 OPS = torch.ops.pcppass
 FP = "0123456789abcdef0123456789abcdef"
@@ -26,14 +23,6 @@ NB = 6
 PAGED = ResolvedLayout("paged_rows", BS, 2 * 3 * 2)  # bf16 [nb, bs, 2, 3]
 SPLIT = ResolvedLayout("block_split", BS, 8 + 4, segments=((0, 8, 8), (BS * 8, 4, 4)))  # uint8 [nb, bs*12]
 INDEXED = ResolvedLayout("indexed_dim", 1, 2 * 5 * 4, dim=1)  # fp32 [2, nb*bs, 5]
-
-
-@pytest.fixture(scope="module")
-def group_name():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
 
 
 def caches(seed):

@@ -43,6 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "only) leave them unsynchronised")
     p.add_argument("--unregister", action="append", default=[], metavar="PATTERN",
                    help="remove a pattern before compiling (negative control); repeatable")
+    p.add_argument("--symmetric-caches", action="store_true",
+                   help="allocate the caches in symmetric memory (CUDA): rows then move by direct peer stores")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the sharded run")
     p.set_defaults(func=main)
 
@@ -52,7 +54,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         model=args.model, size=args.size, world=args.world, steps=args.steps, policy=args.policy,
         schedule=args.schedule, inner=args.inner, device=args.device, on_uncovered=args.on_uncovered,
         unregister=tuple(args.unregister), num_requests=args.requests, spec_width=args.spec_width,
-        seed=args.seed,
+        seed=args.seed, symmetric_caches=args.symmetric_caches,
     )
 
 
@@ -80,6 +82,8 @@ def render(cfg: RunConfig, v: Verification, console: Console) -> None:
     decode = [p for p in v.per_step if p[1] == "decode"]
     if decode:
         summary.add_row("collectives per decode step", ", ".join(sorted({str(p[3]) for p in decode})))
+    for kind, transports in v.transports.items():
+        summary.add_row(f"sync transport ({kind} graphs)", "; ".join(dict.fromkeys(transports)) or "none")
     console.print(summary)
 
 

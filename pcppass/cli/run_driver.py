@@ -48,6 +48,8 @@ class RunConfig:
     max_num_seqs: int = 8
     max_model_len: int = 64
     model_overrides: tuple[tuple[str, Any], ...] = ()
+    #: caches in symmetric memory (CUDA): the backend then syncs them with direct peer stores
+    symmetric_caches: bool = False
 
 
 @dataclass
@@ -68,6 +70,8 @@ class RunResult:
     widest_decode_row: list[int] = field(default_factory=list)
     #: per graph kind ("decode", "mixed"): sync all-gathers in each compiled graph, one per compile
     graph_collectives: dict[str, list[int]] = field(default_factory=dict)
+    #: per graph kind: how each compiled graph moves rows (peer stores, all-gather and why)
+    transports: dict[str, list[str]] = field(default_factory=dict)
 
 
 def build(cfg: RunConfig) -> torch.nn.Module:
@@ -90,9 +94,12 @@ def workload(cfg: RunConfig, block_size: int, vocab_size: int) -> list[RequestSp
 
 
 def _engine_config(cfg: RunConfig) -> dict[str, Any]:
+    from pcppass.runtime.peer import symmetric_zeros
+
     return dict(num_blocks=cfg.num_blocks, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
-                max_spec_width=cfg.spec_width, record_digests=True)
+                max_spec_width=cfg.spec_width, record_digests=True,
+                cache_allocator=symmetric_zeros if cfg.symmetric_caches else None)
 
 
 def _vocab(model: torch.nn.Module) -> int:
@@ -144,6 +151,8 @@ def rank_main(rank: int, world: int, cfg: RunConfig) -> RunResult:
                             device=cfg.device, **_engine_config(cfg))
 
     def after_step() -> tuple[int, int, int]:
+        if cfg.symmetric_caches:  # peers store their next step's rows here: digest this step first
+            torch.distributed.barrier()
         s = runner.step_syncs[-1]
         return (s.collectives, s.bytes_sent, s.bytes_gathered)
 
@@ -152,6 +161,8 @@ def rank_main(rank: int, world: int, cfg: RunConfig) -> RunResult:
     result.graph_collectives = {
         kind: [r.all_gather_nodes for r in backend.reports] for kind, backend in runner.backends.items()
     }
+    result.transports = {kind: [r.transport for r in backend.reports if r.transport]
+                         for kind, backend in runner.backends.items()}
     return result
 
 
@@ -169,6 +180,8 @@ class Verification:
 
     #: steps each rank ran; ranks that ran different numbers of steps are out of step
     step_counts: list[int] = field(default_factory=list)
+    #: per graph kind: how each compiled graph moves rows (rank 0's)
+    transports: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -213,5 +226,5 @@ def compare(reference: RunResult, ranks: list[RunResult]) -> Verification:
         for i in range(steps)
     ]
     return Verification(steps, not mismatches, divergent, per_step, ranks[0].mode,
-                        max(r.unfinished for r in ranks), sorted(set(mismatches)), counts)
+                        max(r.unfinished for r in ranks), sorted(set(mismatches)), counts, ranks[0].transports)
 

@@ -116,6 +116,9 @@ class EngineConfig:
     #: write mask before decode sharding: replicated decode rows written once). Decode-only steps
     #: always write on every rank.
     mixed_replicated_writer: Literal["every_rank", "first_rank"] = "every_rank"
+    #: ``(shape, dtype, device) -> zeroed tensor`` for every cache (default: ``torch.zeros``);
+    #: ``pcppass.runtime.peer.symmetric_zeros`` puts the replicas in symmetric memory (peer stores)
+    cache_allocator: Callable[[tuple, torch.dtype, torch.device], torch.Tensor] | None = None
 
 
 class Engine:
@@ -181,10 +184,9 @@ class Engine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             max_spec_width=cfg.max_spec_width,
         )
+        zeros = cfg.cache_allocator or (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
         self.caches: dict[str, torch.Tensor] = {
-            spec.name: torch.zeros(
-                (self.num_blocks(spec.group), *spec.block_shape), dtype=spec.dtype, device=self.device
-            )
+            spec.name: zeros((self.num_blocks(spec.group), *spec.block_shape), spec.dtype, self.device)
             for spec in self.cache_specs
         }
         self.step_log: list[StepRecord] = []

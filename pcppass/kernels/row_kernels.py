@@ -1,13 +1,21 @@
 """Triton kernels that move cache rows by slot with no host reads (CUDA-graph capturable).
 
-Three movements, one launch each, whatever the number of caches:
+Launches, one each whatever the number of caches:
 
-* :func:`store_rows`: dense source rows ``[T, bytes_per_row]`` into one cache at ``slots[t]``,
-  rows with a negative slot skipped by a mask (the cache-write ops' store, without ``nonzero``);
-* :func:`pack_rows`: the rows of MANY caches at their slots into one uint8 buffer (``sync_pack``),
-  zeros for slot -1;
-* :func:`scatter_rows`: the rows every other rank sent, from the gathered buffer into MANY caches
-  (``sync_scatter_rows_all``).
+* :func:`pack`: header, every cache's rows at this rank's slots (zeros for slot -1) and every
+  payload's bytes into one uint8 buffer (``sync_pack``);
+* :func:`check`: every rank's sync header against this rank's, and every slot against the other
+  ranks' slots of the same segment (two owners of one row), on the gathered buffer;
+* :func:`scatter`: the rows every other rank sent, from the gathered buffer into MANY caches
+  (``sync_scatter_rows_all``); rows in conflict are zeroed on every replica;
+* :func:`peer_store`: this rank's rows straight into every peer's replica, header and payloads
+  into every peer's mailbox, then one barrier on a device epoch (``sync_peer_store``);
+* :func:`check_inputs`: slot-mapping inputs in range;
+* :func:`store_rows`: dense source rows into one cache at slots (the cache-write ops' store).
+
+Work is cut into tiles of :data:`BLOCK` words (:mod:`pcppass.kernels.row_kernels_triton`): a
+word is the widest of 16, 8, 4, 2, 1 bytes that every address of a table entry allows, so rows of
+DeepSeek's 656-byte MLA cache move as 16-byte vectors, many rows per program.
 
 A cache row is addressed by :class:`RowAddressing`, the byte form of a resolved layout::
 
@@ -15,11 +23,12 @@ A cache row is addressed by :class:`RowAddressing`, the byte form of a resolved 
                                  and holds length_k bytes, bytes [offset_k, offset_k + length_k) of the packed row
 
 ``paged_rows`` is one segment, ``block_split`` one per byte segment, ``indexed_dim`` one per index
-of the dims before ``dim`` (block_size 1). Many caches are described by one int64 table (cache
-``data_ptr`` cast to a pointer inside the kernel, layout, rows and offsets), built on the host from
-tensor metadata and cached per configuration, so a step reuses the same device table (and a
-captured CUDA graph replays it). Slots outside ``[0, num_slots)`` are never written (the reference
-ops raise on them; a kernel cannot, so it drops them rather than write out of bounds).
+of the dims before ``dim`` (block_size 1). Tables (int64 entries: addresses, layout, rows, offsets;
+tiles) are built on the host from tensor metadata, once per configuration, and cached: a step
+reuses the same device tables and a captured CUDA graph replays them. Tensors whose addresses
+change from step to step (slot mappings, payloads) are kernel arguments (at most :data:`MAX_ARGS`).
+Slots outside ``[0, num_slots)`` are never written; the kernels record them in the device status
+(:mod:`pcppass.runtime.device_checks`).
 
 Triton's ``jit`` decides between compiling and interpreting when it decorates, so the kernels are
 built on first use, once per mode: ``TRITON_INTERPRET=1`` runs them on CPU tensors (tests).
@@ -35,19 +44,36 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
+from pcppass.runtime import device_checks
 from pcppass.spec import ResolvedLayout
 
 #: segments a row may have in a kernel-addressed cache (the rest use the plain-torch ops)
 MAX_SEGMENTS = 4
-#: int64 fields of one table entry: cache pointer, rows, row offset, slot offset, bytes per row,
-#: block size, block stride, number of slots, then (base, stride, length, offset) per segment
+#: tensor arguments of one launch (slot mappings and payloads); more take the plain-torch ops
+MAX_ARGS = 8
+#: ranks a peer-store table holds a replica distance for (and the check kernels compare)
+MAX_WORLD = 8
+#: words per tile (one program)
+BLOCK = 512
+#: rows of one rank one program of check_kernel compares (against CHECK_ROWS of another at a
+#: time: a larger tile spills registers, ptxas -v: 64x256 took 255 registers + 3.3 KB of spills)
+CHECK_ROWS = 32
+#: int64 fields of a tile-table entry (see row_kernels_triton)
+TILE_FIELDS = 17 + MAX_WORLD
+#: entry kinds
+ROWS, ARG_BYTES, ADDRESS_BYTES = 0, 1, 2
+#: bytes before a mailbox's data: one int64 epoch flag per rank (row_kernels_triton.MAILBOX_FLAGS)
+MAILBOX_FLAGS = 256
+
+#: int64 fields of a store-table entry: cache pointer, rows, row offset, slot offset, bytes per
+#: row, block size, block stride, number of slots, then (base, stride, length, offset) per segment
 _HEAD_FIELDS = 8
 ENTRY = _HEAD_FIELDS + 4 * MAX_SEGMENTS
-_BLOCK = 1024
+_STORE_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -120,6 +146,125 @@ def addressing(cache: torch.Tensor, layout: ResolvedLayout) -> RowAddressing | N
 
 
 # ---------------------------------------------------------------------------------------------
+# Tile tables
+# ---------------------------------------------------------------------------------------------
+
+
+def word_width(*values: int) -> int:
+    """The widest word (16, 8, 4, 2 or 1 bytes) that divides every address, stride and length."""
+    for width in (16, 8, 4, 2):
+        if all(v % width == 0 for v in values):
+            return width
+    return 1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One byte segment of every row of one cache: what one table entry of kind ``ROWS`` moves."""
+
+    address: int  # cache data_ptr + the segment's base
+    block_size: int
+    block_stride: int
+    slot_stride: int
+    num_slots: int
+    length: int
+    packed: int  # offset of the segment in a packed row
+    bytes_per_row: int
+
+    @property
+    def alignment_terms(self) -> tuple[int, ...]:
+        return (self.address, self.block_stride, self.slot_stride, self.length)
+
+
+def pieces(cache: torch.Tensor, addr: RowAddressing) -> list[Piece]:
+    base = cache.data_ptr()
+    return [Piece(base + b, addr.block_size, addr.block_stride, stride, addr.num_slots, length, packed,
+                  addr.bytes_per_row)
+            for b, stride, length, packed in addr.segments]
+
+
+def rows_entry(piece: Piece, *, rows: int, buf: int = 0, slot: int = 0, arg: int = 0, label: int = 0,
+               check: int = -1, rank: int = 0, segment: int = -1, deltas: Sequence[int] = (),
+               aligned_with: Sequence[int] = ()) -> list[int]:
+    """A table entry moving ``piece`` for ``rows`` rows; ``aligned_with``: the other side's
+    addresses and strides (the word width must divide them too)."""
+    width = word_width(*piece.alignment_terms, *aligned_with, *deltas)
+    return [ROWS, piece.address, rows, buf, slot, piece.bytes_per_row, piece.block_size, piece.block_stride,
+            piece.slot_stride, piece.num_slots, piece.length // width, width, arg, label, check, rank,
+            segment, *deltas, *[0] * (MAX_WORLD - len(deltas))]
+
+
+def bytes_entry(*, kind: int, nbytes: int, buf: int, source: int = 0, offset: int = 0, arg: int = 0,
+                deltas: Sequence[int] = (), aligned_with: Sequence[int] = ()) -> list[int]:
+    """A table entry copying ``nbytes`` contiguous bytes: from argument ``arg`` at ``offset``
+    (``ARG_BYTES``) or from address ``source`` (``ADDRESS_BYTES``) to ``buf`` in the buffer."""
+    width = word_width(nbytes, buf, source, offset, *aligned_with, *deltas)
+    return [kind, source, 1, buf, offset, nbytes, 1, 0, 0, 1, nbytes // width, width, arg, 0, -1, 0, -1,
+            *deltas, *[0] * (MAX_WORLD - len(deltas))]
+
+
+@dataclass
+class TileTable:
+    table: torch.Tensor  # [entries, TILE_FIELDS] int64
+    tiles: torch.Tensor  # [tiles, 2] int64: (entry, first word)
+    num_entries: int
+    num_tiles: int
+    extra: dict
+
+
+def _tiles(entries: list[list[int]]) -> list[int]:
+    out: list[int] = []
+    for i, e in enumerate(entries):
+        for first in range(0, e[2] * e[10], BLOCK):
+            out += [i, first]
+    return out
+
+
+#: configuration key -> tile table on a device
+_TABLES: dict[tuple, TileTable] = {}
+
+
+def tile_table(key: tuple, device: torch.device, build: Callable[[], tuple[list[list[int]], dict]]) -> TileTable:
+    """The cached table of ``key`` (``build() -> (entries, extra)`` runs on a miss; tensors in
+    ``extra`` are moved to ``device``)."""
+    found = _TABLES.get(key)
+    if found is None:
+        entries, extra = build()
+        tiles = _tiles(entries)
+        flat = [x for e in entries for x in e] or [0] * TILE_FIELDS
+        table = torch.tensor(flat, dtype=torch.int64).to(device)
+        extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+        found = _TABLES[key] = TileTable(table, torch.tensor(tiles or [0, 0], dtype=torch.int64).to(device),
+                                         len(entries), len(tiles) // 2, extra)
+    return found
+
+
+class ArgTable:
+    """The distinct tensors (by identity) one launch reads: slot mappings and payloads."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+
+    def add(self, t: torch.Tensor) -> int:
+        """``t``'s argument number (the same tensor object is passed once)."""
+        if id(t) not in self._index:
+            self._index[id(t)] = len(self.tensors)
+            self.tensors.append(t)
+        return self._index[id(t)]
+
+
+def byte_args(tensors: Sequence[torch.Tensor], filler: torch.Tensor) -> list[torch.Tensor]:
+    """:data:`MAX_ARGS` uint8 views for a launch (``filler`` in the unused places)."""
+    views = [t.contiguous().view(torch.uint8).reshape(-1) if t.numel() else filler for t in tensors]
+    return views + [filler] * (MAX_ARGS - len(views))
+
+
+def alignment_key(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() % 16 for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
 # Kernels (built on first use)
 # ---------------------------------------------------------------------------------------------
 
@@ -143,16 +288,8 @@ def _kernels(interpret: bool) -> ModuleType:
     return module
 
 
-def _launch_args() -> dict:
-    return {"ENTRY": ENTRY, "MAXSEG": MAX_SEGMENTS, "HEAD": _HEAD_FIELDS, "BLOCK": _BLOCK}
-
-
-# ---------------------------------------------------------------------------------------------
-# Tables
-# ---------------------------------------------------------------------------------------------
-
-#: configuration key -> (device table, max rows per entry)
-_TABLES: dict[tuple, tuple[torch.Tensor, int]] = {}
+def kernels() -> ModuleType:
+    return _kernels(_interpreting())
 
 
 def cache_key(caches: list[torch.Tensor]) -> tuple:
@@ -160,47 +297,91 @@ def cache_key(caches: list[torch.Tensor]) -> tuple:
     return tuple((c.data_ptr(), c.shape, c.stride(), c.dtype) for c in caches)
 
 
-def _table(key: tuple, device: torch.device, build) -> tuple[torch.Tensor, int]:
-    found = _TABLES.get(key)
-    if found is None:
-        entries = build()
-        flat = [x for e in entries for x in e]
-        table = torch.tensor(flat, dtype=torch.int64).to(device)
-        found = _TABLES[key] = (table, max((e[1] for e in entries), default=0))
-    return found
-
-
 # ---------------------------------------------------------------------------------------------
 # Host entry points
 # ---------------------------------------------------------------------------------------------
 
 
-def pack_rows(out: torch.Tensor, caches: list[torch.Tensor], addressings: list[RowAddressing],
-              slots: torch.Tensor, slot_starts: list[int], counts: list[int], out_offsets: list[int],
-              key: tuple) -> None:
-    """``out[out_offsets[i] + j*bpr_i ...]`` = cache i's row at ``slots[slot_starts[i] + j]``,
-    ``j < counts[i]`` (zeros for padding). ``slots``: int64, contiguous."""
-    def build():
-        return [[c.data_ptr(), n, o, s, *a.fields()]
-                for c, a, n, o, s in zip(caches, addressings, counts, out_offsets, slot_starts)]
-
-    table, rows = _table(("pack", key), out.device, build)
-    if rows:
-        _kernels(_interpreting()).pack_kernel[(len(caches), rows)](out, slots, table, **_launch_args())
+def pack(out: torch.Tensor, tiles: TileTable, args: list[torch.Tensor], me: int) -> None:
+    """Run a pack table (header, rows, payloads) into ``out``."""
+    kernels().pack_kernel[(tiles.num_tiles,)](out, tiles.table, tiles.tiles, *args,
+                                              device_checks.status(out.device), me,
+                                              ENTRY=TILE_FIELDS, BLOCK=BLOCK)
 
 
-def scatter_rows(buf: torch.Tensor, caches: list[torch.Tensor], addressings: list[RowAddressing],
-                 sources: Callable[[], list[list[tuple[int, int, int]]]], key: tuple) -> None:
-    """For cache i and each ``(rows_offset, slots_offset, n)`` in ``sources()[i]``: the ``n`` rows
-    at ``buf[rows_offset:]`` go to the slots held (int64, little-endian) at ``buf[slots_offset:]``.
-    ``sources`` is called only when no table is cached for ``key``."""
-    def build():
-        return [[c.data_ptr(), n, rows_off, slots_off, *a.fields()]
-                for c, a, src in zip(caches, addressings, sources()) for rows_off, slots_off, n in src]
+@dataclass(frozen=True)
+class Chunks:
+    """Where every rank's chunk (header, segments) of an exchange lies on this rank: rank r's at
+    ``anchor + offset + r * stride``, in the mailbox half of the last sync when ``half`` > 0."""
 
-    table, rows = _table(("scatter", key), buf.device, build)
-    if rows:
-        _kernels(_interpreting()).scatter_kernel[(table.numel() // ENTRY, rows)](buf, table, **_launch_args())
+    anchor: torch.Tensor
+    offset: int
+    stride: int
+    half: int = 0
+    counters: torch.Tensor | None = None
+
+
+def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, conflicts: bool) -> None:
+    """Every rank's header against this rank's and, with ``conflicts``, every slot of the
+    segments ``tiles.extra["segs"]`` against the other ranks' (see ``check_kernel``): row flags in
+    ``tiles.extra["flags"]``, ``tiles.extra["verdict"][0]`` 1 when the headers differ; rows two
+    ranks wrote are zeroed in the caches of ``tiles``' entries."""
+    segs = tiles.extra["segs"]
+    per_rank = max(1, -(-int(tiles.extra["max_rows"]) // CHECK_ROWS))
+    kernels().check_kernel[(segs.shape[0], world * per_rank)](
+        chunks.anchor, chunks.offset, chunks.stride, chunks.half,
+        chunks.counters if chunks.counters is not None else segs, segs, tiles.extra["flags"],
+        tiles.extra["verdict"], tiles.table, tiles.num_entries, device_checks.status(chunks.anchor.device), me,
+        world, head_len, int(conflicts), per_rank, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS, BLOCK_K=CHECK_ROWS,
+        BLOCK_H=256)
+
+
+def check_tables(segments: Sequence[tuple[int, int, int, int]], world: int) -> dict:
+    """``extra`` of a table checked by :func:`check`: ``segments`` = (rows, label, byte offset of
+    the slots in a chunk, alignment of those slots) per slot segment."""
+    rows, at = [], 0
+    for n, label, offset, align in segments:
+        rows.append([n, label, at, offset, align])
+        at += world * n
+    return {"segs": torch.tensor(rows or [[0, 0, 0, 0, 8]], dtype=torch.int64),
+            "flags": torch.zeros(max(at, 1), dtype=torch.uint8), "verdict": torch.zeros(1, dtype=torch.int32),
+            "max_rows": max((n for n, _, _, _ in segments), default=0)}
+
+
+def scatter(buf: torch.Tensor, tiles: TileTable) -> None:
+    """Run a scatter table: rows from ``buf`` into the caches (flags from :func:`check`)."""
+    if tiles.num_tiles:
+        flags = tiles.extra.get("flags", buf)
+        kernels().scatter_kernel[(tiles.num_tiles,)](buf, tiles.table, tiles.tiles, flags,
+                                                     device_checks.status(buf.device),
+                                                     ENTRY=TILE_FIELDS, BLOCK=BLOCK)
+
+
+def peer_store(tiles: TileTable, args: list[torch.Tensor], mailbox: torch.Tensor, mailbox_deltas: torch.Tensor,
+               counters: torch.Tensor, me: int, world: int, capacity: int, limit: int) -> None:
+    """Run a peer-store table, then the epoch barrier (bounded by ``limit``: ns on the device,
+    spins when interpreting)."""
+    kernels().peer_kernel[(tiles.num_tiles,)](
+        tiles.table, tiles.tiles, *args, mailbox, mailbox_deltas, counters, device_checks.status(mailbox.device),
+        me, world, capacity, limit, ENTRY=TILE_FIELDS, BLOCK=BLOCK, USE_TIMER=not _interpreting())
+
+
+#: (device, checks) -> device table of input_kernel
+_INPUT_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def check_inputs(checks: Sequence[tuple[torch.Tensor, int, int, int]]) -> None:
+    """``(slots, lowest, limit, label)``: every slot must lie in ``[lowest, limit)``; one launch
+    per :data:`MAX_ARGS` inputs, nothing read back."""
+    for start in range(0, len(checks), MAX_ARGS):
+        part = checks[start:start + MAX_ARGS]
+        device = part[0][0].device
+        rows = tuple((k, s.numel(), low, high, lab) for k, (s, low, high, lab) in enumerate(part))
+        table = _INPUT_TABLES.get((device, rows))
+        if table is None:  # built once per configuration: a captured step replays it
+            table = _INPUT_TABLES[(device, rows)] = torch.tensor(rows, dtype=torch.int64).to(device)
+        args = byte_args([s for s, _, _, _ in part], part[0][0].view(torch.uint8))
+        kernels().input_kernel[(len(part),)](table, *args, device_checks.status(device), BLOCK=1024)
 
 
 #: (device, addressing) -> one-entry table (no cache pointer: the cache is a kernel argument)
@@ -223,5 +404,6 @@ def store_rows(cache: torch.Tensor, layout: ResolvedLayout, slots: torch.Tensor,
     entry = _STORE_TABLES.get(key)
     if entry is None:
         entry = _STORE_TABLES[key] = torch.tensor([0, 0, 0, 0, *addr.fields()], dtype=torch.int64).to(cache.device)
-    _kernels(_interpreting()).store_kernel[(t,)](rows, slots.contiguous(), cache.data_ptr(), entry, **_launch_args())
+    kernels().store_kernel[(t,)](rows, slots.contiguous(), cache.data_ptr(), entry, ENTRY=ENTRY,
+                                 MAXSEG=MAX_SEGMENTS, HEAD=_HEAD_FIELDS, BLOCK=_STORE_BLOCK)
     return True

@@ -1,29 +1,35 @@
 """CUDA kernels for the replica-sync ops with no host synchronisation (CUDA-graph capturable).
 
 The reference implementations in :mod:`pcppass.kernels.rows` read sizes and offsets back to the
-host (``bool(valid.any())``, ``index.tolist()``, ``gathered[:head].cpu()``) and select rows with
-boolean masks. Each of those waits for the GPU, and none can be recorded in a CUDA graph. The
-kernels here produce the same bytes with device-side selection only:
+host (``bool(valid.any())``, ``index.tolist()``, ``gathered[:head].cpu()``), select rows with
+boolean masks and raise on bad slots or headers. Each of those waits for the GPU, and none can be
+recorded in a CUDA graph. The kernels here produce the same bytes with device-side selection
+only, and do the same checks on the device (:mod:`pcppass.runtime.device_checks`: errors are
+recorded in host-mapped status words and raised before the next step):
 
-* :func:`pack` (torch ``sync_pack``): every row is read (slot -1 clamped to 0) and padding rows are zeroed with
-  ``where``; the header is a device constant cached per (fingerprint, segment sizes).
-* ``sync_read_header`` (``verify=False``): the segment table comes from the sizes this rank packed
-  (every rank packs the same sizes: that is the contract the header check enforces), as a cached
-  device tensor whose host copy stays known, so the ops after it slice ``gathered`` without
-  reading the device. If the sizes are unknown or ambiguous, the table is computed on the device
-  from the gathered headers and the later ops read it back (correct, not capturable).
-* ``sync_scatter_rows`` (``check_conflicts=False``): padding rows are not skipped by compaction but
-  redirected to repeat a real row of the same rank (same slot, same bytes: a duplicate store of
-  identical bytes is deterministic), or, when the rank sent no real row, to rewrite slot 0 with
-  the bytes it already holds.
-* ``sync_unpack``: the reference computation with host-known offsets.
-* ``sync_pack`` (registered kernel: :func:`pack_batched`) and ``sync_scatter_rows_all``: ONE Triton
-  launch each for all caches of the collective (:mod:`pcppass.kernels.row_kernels`), padding rows
-  masked in the kernel; caches the kernels cannot address take the torch paths above.
+* ``sync_pack`` (:func:`pack_batched`): ONE Triton launch writes the header, every cache's rows
+  (16-byte words where the layout allows, many rows per program; zeros for slot -1; a slot out of
+  range is recorded and packed as zeros) and the payloads (:mod:`pcppass.kernels.row_kernels`);
+* ``sync_read_header``: the segment table comes from the sizes this rank packed (every rank packs
+  the same sizes: that is what the header check enforces), as a cached device tensor whose host
+  copy stays known, so the ops after it slice ``gathered`` without reading the device. With
+  ``verify`` the ops that read the table compare every rank's header with this rank's on the
+  device. If the sizes are unknown or ambiguous, the table is computed on the device from the
+  gathered headers and the later ops read it back (correct, not capturable; with ``verify`` the
+  reference checks on the host);
+* ``sync_scatter_rows_all`` (:func:`scatter_rows_all`): with checks, one launch compares headers
+  and every slot with the other ranks' (two owners of one row), then ONE launch writes every
+  other rank's rows into every cache: nothing at all if a header differs, zeros on every replica
+  for a slot two ranks wrote, never a slot out of range;
+* ``sync_scatter_rows`` (one cache, ``check_conflicts=False``): plain torch; padding rows are
+  redirected to repeat a real row of the same rank (same slot, same bytes), or, when the rank sent
+  no real row, to rewrite slot 0 with the bytes it already holds;
+* ``sync_unpack``: the reference computation with host-known offsets (slot mappings of a verified
+  sync whose headers differ read -1).
 
-With ``verify=True`` or ``check_conflicts=True`` the reference implementation runs: raising on a
-mismatch needs the values on the host. Warm the step up once before capturing it (the header
-and index constants are created on first use).
+Caches the kernels cannot address, or more than ``row_kernels.MAX_ARGS`` distinct slot and
+payload tensors, take the plain-torch paths (the reference ops where a check is on). Warm the step
+up once before capturing it (tables, headers and index constants are created on first use).
 
 Importing this module registers the kernels for the ``cuda`` device type; :func:`kernels_enabled`
 switches them off and on (the reference implementations run while they are off).
@@ -48,6 +54,7 @@ from pcppass.kernels.rows import (
     read_rows,
     write_rows,
 )
+from pcppass.runtime import device_checks
 from pcppass.runtime.stats import SYNC_COUNTERS
 from pcppass.spec import ResolvedLayout
 
@@ -66,7 +73,8 @@ _INDEX_HOST: dict[int, list[list[list[int]]]] = {}
 # ---------------------------------------------------------------------------------------------
 
 
-def _cached_header(fingerprint: str, sizes: list[int], device: torch.device) -> torch.Tensor:
+def cached_header(fingerprint: str, sizes: list[int], device: torch.device) -> torch.Tensor:
+    """The sync header of ``sizes`` on ``device``, built once (a captured graph replays it)."""
     key = (device, fingerprint, tuple(sizes))
     head = _HEADERS.get(key)
     if head is None:
@@ -99,7 +107,7 @@ def pack(
     sizes = [s.numel() for s in segments]
     total = header_bytes(len(sizes)) + sum(sizes)
     _PACKED_SIZES.setdefault((fingerprint, len(sizes), total), set()).add(tuple(sizes))
-    return torch.cat([_cached_header(fingerprint, sizes, anchor.device), *segments])
+    return torch.cat([cached_header(fingerprint, sizes, anchor.device), *segments])
 
 
 def _host_table(world: int, chunk: int, head_len: int, sizes: tuple[int, ...]) -> list:
@@ -126,14 +134,19 @@ def _device_table(gathered: torch.Tensor, world: int, chunk: int, num_segments: 
 def read_header(
     gathered: torch.Tensor, world_size: int, fingerprint: str, num_segments: int, verify: bool
 ) -> torch.Tensor:
-    """``sync_read_header``; with ``verify`` the reference implementation (it raises on mismatch)."""
-    if verify:
-        return rows.sync_read_header._init_fn(gathered, world_size, fingerprint, num_segments, verify)
+    """``sync_read_header`` without host reads: the segment table of the sizes this rank packed.
+    With ``verify`` the ops reading the table check every rank's header on the device
+    (:func:`scatter_rows_all`, :func:`unpack`); if the sizes packed under this fingerprint are not
+    known (or ambiguous), the table comes from the device, and with ``verify`` the reference
+    implementation checks on the host."""
     chunk = gathered.numel() // world_size
-    SYNC_COUNTERS.record(chunk, world_size)
     known = _PACKED_SIZES.get((fingerprint, num_segments, chunk), set())
     if len(known) != 1:
+        if verify:
+            return rows.sync_read_header._init_fn(gathered, world_size, fingerprint, num_segments, verify)
+        SYNC_COUNTERS.record(chunk, world_size)
         return _device_table(gathered, world_size, chunk, num_segments)
+    SYNC_COUNTERS.record(chunk, world_size)
     (sizes,) = known
     key = (gathered.device, world_size, chunk, sizes)
     index = _INDEX.get(key)
@@ -141,6 +154,7 @@ def read_header(
         table = _host_table(world_size, chunk, header_bytes(num_segments), sizes)
         index = _INDEX[key] = torch.tensor(table, dtype=torch.int64, device=gathered.device)
         _INDEX_HOST[index.data_ptr()] = table
+    _VERIFY[index.data_ptr()] = verify
     return index
 
 
@@ -196,7 +210,9 @@ def unpack(
     group_name: str,
     mask_own_rows: bool,
 ) -> torch.Tensor:
-    """``sync_unpack`` slicing with host-known offsets."""
+    """``sync_unpack`` slicing with host-known offsets. A slot mapping (``mask_own_rows``) of a
+    verified sync whose headers differ reads -1 for every rank (checked on the device): the
+    re-run then writes nothing, on every rank."""
     table = _table(index)
     parts = []
     for r in range(len(table)):
@@ -204,7 +220,21 @@ def unpack(
         parts.append(gathered[offset:offset + size].clone().view(like.dtype).view(like.shape))
     if mask_own_rows:
         parts[_group_rank(group_name)] = torch.full_like(parts[0], -1)
-    return torch.cat(parts, dim=0)
+    every_rank = torch.cat(parts, dim=0)
+    if mask_own_rows and _VERIFY.get(index.data_ptr(), False):
+        differs = _headers_differ(gathered, index, _group_rank(group_name))
+        every_rank = torch.where(differs, torch.full_like(every_rank, -1), every_rank)
+    return every_rank
+
+
+def _headers_differ(gathered: torch.Tensor, index: torch.Tensor, me: int) -> torch.Tensor:
+    """A device bool: does any rank's header differ from this rank's (also recorded in the status)."""
+    world = index.shape[0]
+    key = ("headers", gathered.device, world, index.data_ptr())
+    tiles = row_kernels.tile_table(key, gathered.device, lambda: ([], row_kernels.check_tables([], world)))
+    row_kernels.check(row_kernels.Chunks(gathered, 0, gathered.numel() // world), tiles, me, world,
+                      header_bytes(index.shape[1]), False)
+    return tiles.extra["verdict"][:1] != 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,43 +249,63 @@ def pack_batched(
     layouts: list[int],
     payloads: list[torch.Tensor],
 ) -> torch.Tensor:
-    """``sync_pack`` with every cache's rows read by ONE kernel launch (same bytes as
-    :func:`pack`); caches the kernel cannot address go through :func:`pack`."""
+    """``sync_pack`` in ONE kernel launch: header, every cache's rows (16-byte words where the
+    layout allows, many rows per program, out-of-range slots recorded in the device status) and
+    the payloads (same bytes as :func:`pack`); caches the kernel cannot address, or more than
+    ``row_kernels.MAX_ARGS`` distinct slot and payload tensors, go through :func:`pack`."""
     decoded = decode_pack_layouts(caches, cache_slots, layouts)
     addressings = [row_kernels.addressing(c, lay) for c, lay in zip(caches, decoded)]
-    if not caches or any(a is None for a in addressings) or any(c.device != caches[0].device for c in caches):
+    args = row_kernels.ArgTable()
+    slot_args = [args.add(s) for s in cache_slots]
+    payload_args = [args.add(p) for p in payloads]
+    devices = {t.device for t in (*caches, *args.tensors)}
+    if (not caches or any(a is None for a in addressings) or len(devices) != 1
+            or len(args.tensors) > row_kernels.MAX_ARGS or any(s.dtype != torch.int64 for s in cache_slots)):
         return pack(fingerprint, caches, cache_slots, layouts, payloads)
-    device = caches[0].device
-    # one int64 slot vector; caches that share a slot tensor share its rows of the vector
-    first_row: dict[int, int] = {}
-    distinct: list[torch.Tensor] = []
-    starts, counts, total_slots = [], [], 0
-    for s in cache_slots:
-        if id(s) not in first_row:
-            first_row[id(s)] = total_slots
-            distinct.append(s.reshape(-1).to(torch.int64))
-            total_slots += s.numel()
-        starts.append(first_row[id(s)])
-        counts.append(s.numel())
-    payload_rows = [payload_bytes(t) for t in payloads]
+    (device,) = devices
+    counts = [s.numel() for s in cache_slots]
     sizes = [n * lay.bytes_per_row for n, lay in zip(counts, decoded)]
-    sizes += [b.numel() for b in payload_rows]
-    head = _cached_header(fingerprint, sizes, device)
-    offsets, offset = [], head.numel()
+    sizes += [p.numel() * p.element_size() for p in payloads]
+    head = cached_header(fingerprint, sizes, device)
+    offsets, total = [], head.numel()
     for size in sizes:
-        offsets.append(offset)
-        offset += size
-    _PACKED_SIZES.setdefault((fingerprint, len(sizes), offset), set()).add(tuple(sizes))
-    out = torch.empty(offset, dtype=torch.uint8, device=device)
-    out[:head.numel()].copy_(head)
-    slots = distinct[0] if len(distinct) == 1 else torch.cat(distinct)
-    key = (row_kernels.cache_key(caches), tuple(layouts), tuple(counts), tuple(starts))
-    row_kernels.pack_rows(out, caches, addressings, slots.contiguous(), starts, counts,
-                          offsets[:len(caches)], key)
-    for b, o in zip(payload_rows, offsets[len(caches):]):
-        if b.numel():
-            out[o:o + b.numel()].copy_(b)
+        offsets.append(total)
+        total += size
+    _PACKED_SIZES.setdefault((fingerprint, len(sizes), total), set()).add(tuple(sizes))
+    out = torch.empty(total, dtype=torch.uint8, device=device)
+    launch_args = row_kernels.byte_args(args.tensors, out)
+    key = ("pack", row_kernels.cache_key(caches), tuple(layouts), tuple(counts), tuple(slot_args),
+           tuple(payload_args), tuple(sizes[len(caches):]), row_kernels.alignment_key(launch_args),
+           head.data_ptr(), out.data_ptr() % 16)
+
+    def build():
+        entries = [row_kernels.bytes_entry(kind=row_kernels.ADDRESS_BYTES, source=head.data_ptr(),
+                                           nbytes=head.numel(), buf=0, aligned_with=(out.data_ptr(),))]
+        for i, (cache, addr) in enumerate(zip(caches, addressings)):
+            what = device_checks.label(f"sync_pack: cache #{i} {tuple(cache.shape)} {cache.dtype}")
+            for piece in row_kernels.pieces(cache, addr):
+                entries.append(row_kernels.rows_entry(
+                    piece, rows=counts[i], buf=offsets[i] + piece.packed, arg=slot_args[i], label=what,
+                    aligned_with=(out.data_ptr(), offsets[i] + piece.packed, piece.bytes_per_row)))
+        for k, arg in enumerate(payload_args):
+            o = offsets[len(caches) + k]
+            if sizes[len(caches) + k]:
+                entries.append(row_kernels.bytes_entry(
+                    kind=row_kernels.ARG_BYTES, arg=arg, nbytes=sizes[len(caches) + k], buf=o,
+                    aligned_with=(out.data_ptr(), launch_args[arg].data_ptr())))
+        return entries, {}
+
+    row_kernels.pack(out, row_kernels.tile_table(key, device, build), launch_args, -1)
     return out
+
+
+#: data_ptr of a cached segment table -> whether its headers are verified (sync_read_header's flag)
+_VERIFY: dict[int, bool] = {}
+
+
+def _slot_segments(slots_segments: list[int]) -> list[int]:
+    """Distinct slot segments in order of first use."""
+    return list(dict.fromkeys(slots_segments))
 
 
 def scatter_rows_all(
@@ -269,30 +319,41 @@ def scatter_rows_all(
     sites: str,
     check_conflicts: bool,
 ) -> None:
-    """``sync_scatter_rows_all`` in ONE kernel launch; with ``check_conflicts`` the reference
-    implementation. Caches the kernel cannot address go through :func:`scatter_rows`, one by one."""
-    if check_conflicts:
-        rows.sync_scatter_rows_all._init_fn(caches, gathered, index, rows_segments, slots_segments, layouts,
-                                            group_name, sites, check_conflicts)
-        return
+    """``sync_scatter_rows_all`` with no host reads: with checks (``check_conflicts``, or headers
+    verified by ``sync_read_header``) one check launch, then ONE scatter launch for every cache
+    (see :mod:`pcppass.runtime.device_checks` for what an error does). Caches the kernel cannot
+    address go through :func:`scatter_rows` (the reference ops when checking), one by one."""
     decoded = decode_layouts(layouts)
     labels = rows.site_labels(sites, len(caches))
     if not (len(caches) == len(rows_segments) == len(slots_segments) == len(decoded)):
         raise ValueError("sync_scatter_rows_all: caches, segments and layouts differ in length")
     addressings = [row_kernels.addressing(c, lay) for c, lay in zip(caches, decoded)]
-    if any(a is None for a in addressings):
+    host_known = index.data_ptr() in _INDEX_HOST
+    verify = host_known and _VERIFY.get(index.data_ptr(), False)
+    if any(a is None for a in addressings) or (not host_known and check_conflicts):
         for cache, rs, ss, lay, site in zip(caches, rows_segments, slots_segments, decoded, labels):
-            scatter_rows(cache, gathered, index, rs, ss, encode_layout(lay), group_name, site, False)
+            scatter_rows(cache, gathered, index, rs, ss, encode_layout(lay), group_name, site, check_conflicts)
         return
     me = _group_rank(group_name)
-    host_known = index.data_ptr() in _INDEX_HOST
     table = _table(index)
+    world = len(table)
+    checks = verify or check_conflicts
+    segs = _slot_segments(slots_segments)
+    chunk = gathered.numel() // world
+    rows_per_seg = [table[0][seg][1] // 8 for seg in segs]
 
-    def sources() -> list[list[tuple[int, int, int]]]:
-        out = []
-        for rs, ss, lay in zip(rows_segments, slots_segments, decoded):
-            per_cache = []
-            for r in range(len(table)):
+    def build():
+        extra = row_kernels.check_tables(
+            [(n, device_checks.label(labels[slots_segments.index(seg)]), table[0][seg][0],
+              row_kernels.word_width(gathered.data_ptr() + table[0][seg][0], chunk, 8))
+             for seg, n in zip(segs, rows_per_seg)], world)
+        flag_base = extra["segs"][:, 2].tolist()
+        entries = []
+        for cache, addr, rs, ss, lay, site in zip(caches, addressings, rows_segments, slots_segments, decoded,
+                                                  labels):
+            j = segs.index(ss)
+            what = device_checks.label(site)
+            for r in range(world):
                 if r == me:
                     continue
                 rows_offset, rows_size = table[r][rs]
@@ -301,14 +362,23 @@ def scatter_rows_all(
                 if rows_size != n * lay.bytes_per_row:
                     raise ValueError(f"sync_scatter_rows_all: rank {r} sent {rows_size} row bytes for {n} slots "
                                      f"of {lay.bytes_per_row} bytes")
-                per_cache.append((rows_offset, slots_offset, n))
-            out.append(per_cache)
-        return out
+                for piece in row_kernels.pieces(cache, addr):
+                    entries.append(row_kernels.rows_entry(
+                        piece, rows=n, buf=rows_offset + piece.packed, slot=slots_offset,
+                        arg=row_kernels.word_width(gathered.data_ptr() + slots_offset, 8), label=what,
+                        check=flag_base[j] + r * n if checks else -1, rank=r, segment=j,
+                        aligned_with=(gathered.data_ptr(), rows_offset + piece.packed, lay.bytes_per_row)))
+        return entries, extra
 
     # a cached segment table is identified by its address; any other is identified by its values
     where = index.data_ptr() if host_known else str(table)
-    key = (row_kernels.cache_key(caches), tuple(layouts), tuple(rows_segments), tuple(slots_segments), me, where)
-    row_kernels.scatter_rows(gathered, caches, addressings, sources, key)
+    key = ("scatter", row_kernels.cache_key(caches), tuple(layouts), tuple(rows_segments), tuple(slots_segments),
+           me, where, checks, gathered.data_ptr() % 16, sites)
+    tiles = row_kernels.tile_table(key, gathered.device, build)
+    if checks:
+        row_kernels.check(row_kernels.Chunks(gathered, 0, chunk), tiles, me, world, header_bytes(index.shape[1]),
+                          check_conflicts)
+    row_kernels.scatter(gathered, tiles)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ Schedules:
 
 * ``"deferred"`` (decode): one sync at the end of the step for every site, in ONE collective:
   all rows, slots and re-run inputs packed into one uint8 buffer behind a small header. Sites are
-  applied in graph order, so a re-run that reads state another site wrote sees it synced.
+  applied in graph order, so a re-run that reads state another site wrote sees it synced. The
+  collective starts right after the last site (:mod:`pcppass.rewrite.overlap`).
 * ``"immediate"`` (partitioned prefill, where other ranks read the rows in the same step): one
   sync right after each site, before any later read.
 
@@ -68,6 +69,7 @@ import torch.fx
 import pcppass.kernels.rows  # noqa: F401  (registers the pcppass::sync_* ops)
 from pcppass.errors import PcpSyncError
 from pcppass.kernels.rows import encode_layout
+from pcppass.rewrite.overlap import start_exchange_early
 from pcppass.rewrite.plan import CacheRef, ContextRef, PlanError, SyncPlan, SyncSite
 from pcppass.spec import Recipe, ResolvedLayout
 
@@ -451,6 +453,7 @@ def insert_sync(
         if schedule == "deferred":
             with graph.inserting_before(graph.find_nodes(op="output")[0]):
                 emit_collective(emit, plan.sites, group, transport, snapshot=True)
+            start_exchange_early(graph, plan.sites, emit.nodes)
             collectives = 1
         else:
             for site in plan.sites:

@@ -58,6 +58,7 @@ _SOURCE_MODULES = (
     "pcppass.analysis.classify", "pcppass.analysis.defuse", "pcppass.analysis.records",
     "pcppass.analysis.schema", "pcppass.analysis.state_writes", "pcppass.analysis.views",
     "pcppass.checks", "pcppass.kernels.rows", "pcppass.registry", "pcppass.rewrite.insert",
+    "pcppass.rewrite.overlap", "pcppass.rewrite.peer_store",
     "pcppass.rewrite.plan", "pcppass.rewrite.slot_checks", "pcppass.rewrite.stage",
     "pcppass.rewrite.sync_pass", "pcppass.runtime.validate", "pcppass.spec",
 )
