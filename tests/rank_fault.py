@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from pcppass.checks import SyncChecks
 from pcppass.engine.launch import free_port
+from pcppass.runtime import liveness
 
 #: process-group timeout in the gloo cases: far above the bound the test asserts
 GLOO_PG_TIMEOUT_S = 120.0
@@ -118,8 +119,8 @@ class RankOutcome:
     after_death_s: float | None = None
     armed_step: int | None = None
     kinds: list[str] = field(default_factory=list)
-    #: whether the process group was gone (aborted by the liveness watch) when the armed step began
-    aborted_before_step: bool | None = None
+    #: whether the liveness watch had declared a peer dead or failed when the armed step began
+    declared_before_step: bool | None = None
 
 
 def _rank_main(rank: int, case: FaultCase, port: int, death_file: str, results) -> None:
@@ -156,7 +157,8 @@ def _rank_main(rank: int, case: FaultCase, port: int, death_file: str, results) 
                     _ARMED.update(on=True, record=death_file, fault=case.fault)
                 else:
                     time.sleep(case.pause_s)
-                    outcome.aborted_before_step = not dist.is_initialized()
+                    watch = liveness.watch_of(None)
+                    outcome.declared_before_step = watch is not None and watch.verdict is not None
             if index == case.after - 1 and rank == 0:
                 time.sleep(case.stall_s)
             engine.execute(step)

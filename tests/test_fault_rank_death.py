@@ -19,10 +19,11 @@ Every peer's error names the dead rank: pcppass's liveness watch (``SyncChecks.l
 heartbeat per rank in the c10d store, read by a daemon thread) tells which peer stopped beating.
 Where nothing closes a connection (NCCL, where the peers' collective would spin until the NCCL
 watchdog takes the process down), the watch itself declares a silent peer dead after
-``SyncChecks.liveness_timeout_s`` and aborts the process group: the third case shows that path on
-gloo, with survivors that are not in a collective when the victim dies (they pause), so only the
-watch can notice; it also stalls one live rank for longer than the timeout first, which must not
-be taken for a death (its heartbeat thread beats on).
+``SyncChecks.liveness_timeout_s`` (and, on NCCL, aborts the process group): the third case shows
+the verdict on gloo, with survivors that are not in a collective when the victim dies (they
+pause), so only the watch can notice; their next step raises naming the victim. It also stalls one
+live rank for longer than the timeout first, which must not be taken for a death (its heartbeat
+thread beats on).
 
 The ranks and the dying op live in ``tests/rank_fault.py``, which also runs the same cases on NCCL
 (2 GPUs) as a script.
@@ -50,9 +51,9 @@ def _assert_peers_raised_promptly(summary: dict, case: FaultCase) -> None:
         assert f"rank {o['rank']}" in o["message"] and "failed" in o["message"], o["message"]
         assert f"Rank {case.victim} stopped responding: no heartbeat" in o["message"], o["message"]
         assert o["after_death_s"] is not None and 0 <= o["after_death_s"] < case.pause_s + GLOO_BOUND_S, o
-        # the watch aborted the group while the survivor paused (only then: a live, stalled rank
-        # is never declared dead)
-        assert o["aborted_before_step"] is bool(case.pause_s), o
+        # the watch declared the victim dead while the survivor paused (only then: a live, stalled
+        # rank is never declared dead)
+        assert o["declared_before_step"] is bool(case.pause_s), o
     assert all(summary["exitcodes"][r] == 0 for r in peers), summary
 
 

@@ -100,12 +100,13 @@ def stop_error(exc: BaseException, group: dist.ProcessGroup | None, rank: int | 
     A :class:`PcpCoverageError` is a compile-time decision every rank makes alike on the same
     graph: the group stays usable and the error is returned as it is. Any other
     :class:`PcpError` already names its cause and is returned as it is, after the abort, unless
-    the liveness watch had aborted the group first (then the peer it names is the cause). Anything
-    else (typically the collective that a peer's abort or death broke) becomes a
-    :class:`PcpSyncError` that says which rank saw it, during what, and, from the liveness watch,
-    which peer stopped beating or failed first.
+    the liveness watch had found a peer dead (then whatever this rank saw next, such as an
+    aborted collective's garbage, is a consequence, and the dead peer is named). Anything else
+    (typically the collective that a peer's abort or death broke) becomes a :class:`PcpSyncError`
+    that says which rank saw it, during what, and, from the liveness watch, which peer stopped
+    beating or failed first. An error this function made is never wrapped again.
     """
-    if isinstance(exc, PcpCoverageError):
+    if isinstance(exc, PcpCoverageError) or getattr(exc, "from_fail_stop", False):
         return exc
     watch = liveness.watch_of(group)
     abort_group(group)
@@ -113,7 +114,7 @@ def stop_error(exc: BaseException, group: dist.ProcessGroup | None, rank: int | 
         return exc
     if isinstance(exc, PcpError):
         verdict = watch.verdict if watch is not None else None
-        if verdict is None:
+        if verdict is None or verdict.kind != "dead":
             return exc
     else:
         verdict = watch.culprit() if watch is not None else None
@@ -124,10 +125,12 @@ def stop_error(exc: BaseException, group: dist.ProcessGroup | None, rank: int | 
         "If another rank failed first, its own error names the cause (bad inputs on that rank, a "
         "compile on that rank only) and its abort of the process group is what broke this rank's "
         "collective.")
-    return PcpSyncError(
+    error = PcpSyncError(
         f"pcppass: {who}: {what} failed ({type(exc).__name__}: {first_line}). {cause} The process "
         "group is aborted here too, so every rank stops instead of waiting for the collective timeout."
     )
+    error.from_fail_stop = True
+    return error
 
 
 def raise_fail_stop(exc: BaseException, group: dist.ProcessGroup | None, rank: int | None,
@@ -151,12 +154,14 @@ def fail_stopping(step: Callable, group: dist.ProcessGroup | None, rank: int | N
             outputs = step(*args)
         except BaseException as exc:
             raise_fail_stop(exc, group, rank, what)
-        if watch is not None and watch.verdict is not None:
-            raise PcpSyncError(
+        if watch is not None and watch.aborted:
+            error = PcpSyncError(
                 f"pcppass: rank {rank}: {what} ran while its process group was aborted: "
                 f"{watch.verdict.sentence(watch.timeout_s)} Its collectives did not complete, so "
                 "its outputs and the state it wrote are not valid."
             )
+            error.from_fail_stop = True
+            raise error
         return outputs
 
     return run

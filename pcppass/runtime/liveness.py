@@ -1,21 +1,25 @@
-"""Peer liveness: a dead or hung rank is named, and its peers' collectives are aborted, in bounded time.
+"""Peer liveness: a dead, hung or failed rank is named, and on NCCL its peers' collectives end, in
+bounded time.
 
 A rank that dies (SIGKILL, OOM killer, a lost host) never joins the collective its peers wait in.
 On gloo the kernel closes the dead process's sockets and the peers' collective fails at once; on
 NCCL nothing tells the peers: their collective spins until the NCCL watchdog's timeout, which then
-takes the process down (SIGABRT, no Python exception: pcppass's fail-stop never runs).
+takes the process down (SIGABRT, no Python exception: pcppass's fail-stop never runs). The same
+holds for a peer that fails and aborts its own communicator: NCCL does not tell the others.
 
 Each rank of a sharded step therefore runs one :class:`PeerWatch` per process group, a daemon
 thread that, every ``SyncChecks.liveness_interval_s``, increments this rank's heartbeat counter in
 the c10d store and reads every peer's. A peer whose counter has not moved for
 ``SyncChecks.liveness_timeout_s`` is declared dead; a peer whose fail-stop aborted its own group
 (:func:`pcppass.runtime.failstop.abort_group` marks it failed in the store) is declared failed. The
-watch then aborts this rank's group (``_abort_process_group``: on NCCL ``ncclCommAbort`` ends the
-in-flight collective) and keeps the verdict, which pcppass's fail-stop turns into a
-:class:`~pcppass.errors.PcpSyncError` naming the rank. Bound: a dead peer is declared at most
-``liveness_timeout_s + liveness_interval_s`` after its last heartbeat; a failed one within one
-interval. The step's hot path does nothing: the thread works beside it (a few store round trips
-per interval, on its own connection to the store).
+watch keeps the verdict, which pcppass's fail-stop turns into a
+:class:`~pcppass.errors.PcpSyncError` naming the rank, and on NCCL aborts this rank's group
+(``_abort_process_group``: ``ncclCommAbort`` ends the waiting collective). On gloo it does not
+abort: the waiting collective fails by itself once the peer's sockets close, and an abort from
+this thread while a gloo collective waits was seen to keep the wait going until the peers' processes
+exited. Bound: a dead peer is declared at most ``liveness_timeout_s + liveness_interval_s`` after
+its last heartbeat; a failed one within one interval. The step's hot path does nothing: the thread
+works beside it (a few store round trips per interval, on its own connection to the store).
 
 Store keys, all updated with ``add`` (which never waits for a key), under
 ``pcppass/live/{group}/``: ``beat/{r}`` (counter), ``state/{r}`` (0 running, -1 left cleanly: the
@@ -23,12 +27,12 @@ group was destroyed by its owner, k > 0 failed as the k-th rank to fail, ``failu
 them). A peer that has not beaten yet (still compiling; the compile fingerprint exchange bounds
 that) or that left cleanly is never declared dead.
 
-Limits: on gloo an abort does not interrupt a collective already waiting on a peer whose sockets
-stay open (a hung, not dead, process): that wait ends at the process-group timeout, and the error
-then names the hung rank. If the store's host (global rank 0) dies, the store becomes unreachable:
+Limits: on gloo a collective waiting on a peer whose sockets stay open (a hung, not dead,
+process) ends only at the process-group timeout (an abort does not interrupt it); its error then
+names the hung rank. If the store's host (global rank 0) dies, the store becomes unreachable:
 after ``liveness_timeout_s`` of failed store calls (retried every quarter of it) it is declared
 dead. A rank that exits without destroying its process group looks dead to peers that outlive it
-by more than the timeout: they abort their group (harmless once no collective is left to run).
+by more than the timeout: on NCCL they abort their group (harmless once no collective is left).
 """
 
 from __future__ import annotations
@@ -105,15 +109,30 @@ class PeerWatch:
         self.prefix = f"pcppass/live/{self.name}/"
         #: set by the thread once a peer is declared dead or failed (read on the fail-stop path)
         self.verdict: Verdict | None = None
+        #: whether the watch aborts the group on a verdict (NCCL), and did
+        self.aborts = "nccl" in str(dist.get_backend(pg)).lower()
+        self.aborted = False
         #: this rank's place among the ranks that failed (0: it has not)
         self.failed_ordinal = 0
+        self._state = 0  # this rank's state key: 0 running, then once _LEFT or its failure ordinal
+        self._state_lock = threading.Lock()
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (last beat, when it changed)
         self._store_lost_since: float | None = None
-        self._left = threading.Event()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"pcppass-liveness-{self.name}", daemon=True)
 
     def _add(self, key: str, delta: int) -> int:
         return int(self.store.add(self.prefix + key, delta))
+
+    def _set_state(self, value: int) -> bool:
+        """Leave the running state for ``value`` (once: a failed rank never turns into a rank that
+        left, whichever thread gets there first); False if it had left it already."""
+        with self._state_lock:
+            if self._state != 0:
+                return False
+            self._add(f"state/{self.rank}", value)
+            self._state = value
+            return True
 
     def _peers(self) -> dict[int, tuple[int, int]]:
         """Every peer's (beat, state)."""
@@ -135,8 +154,8 @@ class PeerWatch:
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        while not self._left.wait(self.interval_s if self._store_lost_since is None else self.timeout_s / 4):
-            done = self.failed_ordinal or self.verdict is not None
+        while not self._stop.wait(self.interval_s if self._store_lost_since is None else self.timeout_s / 4):
+            done = self._state != 0 or self.verdict is not None
             try:
                 self._add(f"beat/{self.rank}", 1)  # beats on after a failure: failed, not dead
             except Exception as exc:  # the store's host is gone (or hangs); retried less often
@@ -146,8 +165,9 @@ class PeerWatch:
             if done:
                 continue
             if not self.alive():
-                self._leave()
-                return
+                if self._leave():
+                    return
+                continue  # pcppass's fail-stop aborted it: failed, beating on
             verdict = self._judge(time.monotonic())
             if verdict is not None:
                 self._declare(verdict)
@@ -170,52 +190,73 @@ class PeerWatch:
         return dead[0] if dead else Verdict(failed[0][1], "failed") if failed else None
 
     def _declare(self, verdict: Verdict) -> None:
+        """Keep the verdict; on NCCL abort the group: its waiting collective would spin forever.
+        A gloo collective fails by itself once a dead or failed peer's sockets close, and aborting
+        a gloo group from this thread while a collective waits can keep that wait from ending."""
         from pcppass.runtime.failstop import abort_group_by_id
 
         self.verdict = verdict
-        log.error("pcppass: rank %s: %s Aborting the process group.", self.rank, verdict.sentence(self.timeout_s))
-        abort_group_by_id(self._pg_id)
+        log.error("pcppass: rank %s: %s%s", self.rank, verdict.sentence(self.timeout_s),
+                  " Aborting the process group." if self.aborts else "")
+        if self.aborts:
+            abort_group_by_id(self._pg_id)
+            self.aborted = True
 
-    def _leave(self) -> None:
+    def _leave(self) -> bool:
         """The group was destroyed by its owner: say so, so peers still running do not call this
-        rank dead, and stop."""
-        self._left.set()
+        rank dead, and stop. False if this rank had failed (then it beats on)."""
         try:
-            self._add(f"state/{self.rank}", _LEFT)
+            left = self._set_state(_LEFT)
         except Exception:  # the store went with the group: nobody is left to tell
-            pass
+            left = True
+        if left:
+            self._stop.set()
+        return left
 
     # ------------------------------------------------------------------ the fail-stop path
 
     def mark_failed(self) -> None:
         """This rank's fail-stop aborts the group: tell the peers (their watches abort theirs)."""
-        if self.failed_ordinal or self._left.is_set():
-            return
         try:
             ordinal = self._add("failures", 1)
-            self._add(f"state/{self.rank}", ordinal)
-            self.failed_ordinal = ordinal
+            if self._set_state(ordinal):
+                self.failed_ordinal = ordinal
         except Exception as exc:
             log.debug("pcppass: could not mark this rank failed in the store: %r", exc)
 
     def culprit(self) -> Verdict | None:
-        """Who broke this rank's step: a peer that stopped beating (watched for three intervals),
-        else the peer that failed first; None if every peer is alive and none failed first."""
+        """Who broke this rank's step: a peer that stopped beating, else the peer that failed
+        first; None if every peer is alive and none failed first.
+
+        The peers' beats are watched for three intervals. Peers stalled in their own error handling
+        (aborting a gloo group can hold the interpreter a while) miss beats too, but resume: while
+        more than one is silent, the watch goes on, up to ten intervals; then the dead peer is the
+        silent one whose beat this rank's watch saw change least recently.
+        """
         if self.verdict is not None and self.verdict.kind == "dead":
             return self.verdict
+        start = time.monotonic()
         try:
             first = self._peers()
-            time.sleep(3 * self.interval_s)
-            last = self._peers()
+            silent = set(first)
+            while True:
+                time.sleep(self.interval_s / 2)
+                last = self._peers()
+                silent = {r for r in silent if last[r][0] == first[r][0] and last[r][0] > 0
+                          and last[r][1] != _LEFT}
+                waited = time.monotonic() - start
+                if waited >= 10 * self.interval_s or (waited >= 3 * self.interval_s and len(silent) <= 1):
+                    break
         except Exception:
-            return Verdict(self.store_host, "dead", 3 * self.interval_s)
+            return Verdict(self.store_host, "dead", time.monotonic() - start)
         now = time.monotonic()
-        dead = [Verdict(r, "dead", max(3 * self.interval_s, now - self._seen.get(r, (0, now))[1]))
-                for r, (beat, state) in last.items()
-                if beat == first[r][0] and beat > 0 and state != _LEFT]
+        oldest = sorted((self._seen.get(r, (0, now))[1], r) for r in silent)
+        if oldest:
+            when, r = oldest[0]
+            return Verdict(r, "dead", max(now - start, now - when))
         mine = self.failed_ordinal or float("inf")
         failed = sorted((state, r) for r, (_, state) in last.items() if 0 < state < mine)
-        return dead[0] if dead else Verdict(failed[0][1], "failed") if failed else self.verdict
+        return Verdict(failed[0][1], "failed") if failed else self.verdict
 
 
 _lock = threading.Lock()
@@ -267,8 +308,8 @@ def _stop_watches() -> None:
     it dead); every heartbeat thread stops before the interpreter and the store's server go
     (a thread left in a store call then would abort the process)."""
     for watch in list(_watches.values()):
-        if not watch.alive() and not watch.failed_ordinal and watch.verdict is None:
+        if not watch.alive() and watch.verdict is None:
             watch._leave()
-        watch._left.set()
+        watch._stop.set()
     for watch in list(_watches.values()):
         watch._thread.join(timeout=2.0)
