@@ -30,3 +30,13 @@ class SyncChecks:
     digest_first_steps: int = 4
     #: afterwards every ``digest_every``-th call is checked (0: never)
     digest_every: int = 64
+    #: watch every peer's heartbeat in the c10d store (a daemon thread per process group, nothing
+    #: on the step's path): a peer that stops beating (died, hangs) or fails is named, and this
+    #: rank's process group is aborted so its collectives end (NCCL) instead of waiting for the
+    #: process-group timeout (pcppass.runtime.liveness)
+    liveness: bool = True
+    #: a peer whose heartbeat has not advanced for this long is declared dead: the bound on
+    #: detecting a dead peer is ``liveness_timeout_s + liveness_interval_s``
+    liveness_timeout_s: float = 30.0
+    #: how often each rank beats and reads its peers' heartbeats
+    liveness_interval_s: float = 0.5

@@ -23,7 +23,9 @@ partitioned prefill breaks that, and no graph analysis can see it, so pcppass ne
 Failures are fail-stop: a rank that fails a check its peers passed (bad inputs on that rank, a
 compile the others did not make) or whose step fails aborts the process group before raising, so
 the peers' collectives fail at once instead of waiting for the process-group timeout
-(:mod:`pcppass.runtime.failstop`).
+(:mod:`pcppass.runtime.failstop`). A rank that dies or hangs is found by the peers' liveness watch
+(a heartbeat per rank in the c10d store, :mod:`pcppass.runtime.liveness`), which aborts their
+group within ``SyncChecks.liveness_timeout_s`` and names it.
 
 Each compile appends a :class:`CompileReport` to ``backend.reports``; a runner reads
 ``backend.replicated`` to know that decode must stay replicated.
@@ -32,6 +34,7 @@ Each compile appends a :class:`CompileReport` to ``backend.reports``; a runner r
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
@@ -49,8 +52,11 @@ from pcppass.runtime import device_checks
 from pcppass.runtime.device_checks import DeviceSlotChecks
 from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
 from pcppass.runtime.fingerprint import exchange_fingerprint
-from pcppass.runtime.state_checks import checking_state
+from pcppass.runtime.liveness import watch_peers
+from pcppass.runtime.state_checks import StepHistory, checking_state
 from pcppass.runtime.validate import InputValidator, validating
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CompileReport", "Inner", "OnUncovered", "PcpBackend", "PcpSyncPass", "SyncChecks", "backend"]
 
@@ -124,6 +130,8 @@ class PcpBackend:
         self.inner: Inner = inner
         self.name = name or schedule
         self.reports: list[CompileReport] = []
+        #: what the previous call of any of this backend's graphs returned (the rebinding check)
+        self.history = StepHistory()
         #: set by a runner that already shards decode on the strength of earlier compiles: a later
         #: graph (a recompile) that would have to run replicated is refused with PcpSyncError
         self.sharded_only = False
@@ -159,6 +167,14 @@ class PcpBackend:
         return any(r.mode == "replicated" for r in self.reports)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if torch._dynamo.config.suppress_errors:
+            # Dynamo would run the frame eagerly, unsynchronised, on any error raised here (a
+            # refusal included): refuse when the step runs instead, which Dynamo does not catch.
+            return refusing(PcpSyncError(_SUPPRESS_ERRORS))
+        keep_dynamo_from_running_steps_eagerly()
+        return self._compile(gm, example_inputs)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         report = CompileReport("sharded", "", [], self.schedule, self.inner, graph=gm)
         self.reports.append(report)
         result = self.sync_pass.apply(gm, fingerprint_extra=f"inner={self.inner}")
@@ -171,6 +187,8 @@ class PcpBackend:
         report.all_gather_nodes = count_all_gathers(gm)
         report.transport = transports_of(gm)
         rank = group_rank(result.group)
+        # started before the fingerprint exchange: a peer that passes it has beaten once
+        watch = watch_peers(self.group, self.checks)
         if self.checks.compile_fingerprint:
             try:
                 exchange_fingerprint(result.rewrite.fingerprint, result.group, namespace=self.name,
@@ -185,14 +203,14 @@ class PcpBackend:
             # Uncovered writes diverge on purpose here (a negative control): the digest would only
             # report the divergence the caller asked for; the caller's own comparison must show it.
             checks = dataclasses.replace(checks, state_digest=False)
-        compiled = checking_state(compiled, gm, self.group, checks, rank)
+        compiled = checking_state(compiled, gm, self.group, checks, rank, self.history)
         validator = InputValidator.from_plan(gm, result.plan, rank=rank) if self.checks.inputs else None
         device = _cuda_device(example_inputs)
         if device is not None:  # checks on the device, raised before the next step (no host read)
             compiled = device_checks.checking(compiled, device, validator and DeviceSlotChecks.of(validator))
         elif validator is not None:
             compiled = validating(compiled, validator)
-        return fail_stopping(compiled, self.group, rank, f"the {self.name} step")
+        return fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch)
 
     def _refuse_if_sharded_only(self, report: CompileReport) -> None:
         if self.sharded_only:
@@ -212,6 +230,37 @@ class PcpBackend:
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs)
+
+
+_SUPPRESS_ERRORS = (
+    "pcppass: torch._dynamo.config.suppress_errors is on: Dynamo then runs a frame eagerly "
+    "whenever compiling it fails (a pcppass refusal, Dynamo's recompile limit, an unsupported "
+    "construct), and an eager step writes its rows on this rank only. pcppass refuses every step "
+    "compiled under it; turn it off (torch._dynamo.config.suppress_errors = False, unset "
+    "TORCHDYNAMO_SUPPRESS_ERRORS)."
+)
+
+
+def keep_dynamo_from_running_steps_eagerly() -> None:
+    """Past ``torch._dynamo.config.recompile_limit`` Dynamo runs a frame eagerly, without calling
+    the backend, unless the frame was compiled with ``fullgraph=True`` or
+    ``fail_on_recompile_limit_hit`` is set: an eager decode step writes its rows on its own rank
+    only. Set it, process-wide, from the first graph a pcppass backend compiles on (it then
+    raises ``FailOnRecompileLimitHit`` before the frame runs, for every frame of the process)."""
+    config = torch._dynamo.config
+    if not config.fail_on_recompile_limit_hit:
+        log.info("pcppass: setting torch._dynamo.config.fail_on_recompile_limit_hit = True: past the "
+                 "recompile limit a step must fail, not run eagerly without its replica sync")
+        config.fail_on_recompile_limit_hit = True
+
+
+def refusing(error: Exception) -> Callable:
+    """A compiled step that raises ``error`` when called, before running anything."""
+
+    def refuse(*args: Any) -> Any:
+        raise error
+
+    return refuse
 
 
 def _cuda_device(example_inputs: Sequence[Any]) -> torch.device | None:

@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pcppass.checks import SyncChecks
 from pcppass.engine.launch import free_port
+from pcppass.runtime import liveness
 
 #: process-group timeout in the gloo cases: far above the bound the test asserts
 GLOO_PG_TIMEOUT_S = 120.0
@@ -44,17 +46,25 @@ LINGER_S = 12.0
 #: every surviving process must have exited within this long after the last answer
 EXIT_BOUND_S = LINGER_S + 20.0
 
-_ARMED = {"on": False, "record": ""}
+_ARMED = {"on": False, "record": "", "fault": "sigkill"}
+
+
+class InjectedFault(RuntimeError):
+    """The victim's own error in ``fault="raise"`` cases (not a pcppass error)."""
 
 
 @torch.library.custom_op("faulttest::die_if_armed", mutates_args=())
 def die_if_armed(hidden: torch.Tensor) -> torch.Tensor:
-    """``hidden`` unchanged; when armed, record the time in the death file and SIGKILL this process."""
+    """``hidden`` unchanged; when armed, record the time in the death file and SIGKILL this process
+    (``fault="raise"``: raise :class:`InjectedFault` instead, the process stays alive)."""
     if _ARMED["on"]:
         with open(_ARMED["record"], "w") as f:
             f.write(repr(time.time()))
             f.flush()
             os.fsync(f.fileno())
+        if _ARMED["fault"] == "raise":
+            _ARMED["on"] = False
+            raise InjectedFault("injected fault on the victim rank")
         os.kill(os.getpid(), signal.SIGKILL)
     return hidden.clone()
 
@@ -87,6 +97,16 @@ class FaultCase:
     backend: str = "gloo"
     pg_timeout_s: float = GLOO_PG_TIMEOUT_S
     linger_s: float = LINGER_S
+    #: "sigkill": the victim dies; "raise": it raises an error of its own and stays alive
+    fault: str = "sigkill"
+    #: the survivors sleep this long before the armed step (the victim dies at its start):
+    #: they are not in a collective when the liveness watch declares the victim dead
+    pause_s: float = 0.0
+    #: rank 0 sleeps this long before step ``after - 1`` while its peers wait for it in that
+    #: step's collectives: a slow peer, alive, whose heartbeat goes on (never declared dead)
+    stall_s: float = 0.0
+    liveness_timeout_s: float = SyncChecks.liveness_timeout_s
+    liveness_interval_s: float = SyncChecks.liveness_interval_s
 
 
 @dataclass
@@ -99,6 +119,8 @@ class RankOutcome:
     after_death_s: float | None = None
     armed_step: int | None = None
     kinds: list[str] = field(default_factory=list)
+    #: whether the liveness watch had declared a peer dead or failed when the armed step began
+    declared_before_step: bool | None = None
 
 
 def _rank_main(rank: int, case: FaultCase, port: int, death_file: str, results) -> None:
@@ -118,7 +140,8 @@ def _rank_main(rank: int, case: FaultCase, port: int, death_file: str, results) 
 
         load_builtin_patterns()
         model = build_dying_llama(device)
-        runner = ShardedRunner(model, inner="eager")
+        checks = SyncChecks(liveness_timeout_s=case.liveness_timeout_s, liveness_interval_s=case.liveness_interval_s)
+        runner = ShardedRunner(model, inner="eager", checks=checks)
         engine = sharded_engine(model, runner, world=case.world, rank=rank, device=device, num_blocks=48,
                                 max_num_seqs=8)
         gen = torch.Generator().manual_seed(5)
@@ -131,7 +154,13 @@ def _rank_main(rank: int, case: FaultCase, port: int, death_file: str, results) 
             if index >= case.after and step.step_kind == case.step_kind and outcome.armed_step is None:
                 outcome.armed_step = index
                 if rank == case.victim:
-                    _ARMED.update(on=True, record=death_file)
+                    _ARMED.update(on=True, record=death_file, fault=case.fault)
+                else:
+                    time.sleep(case.pause_s)
+                    watch = liveness.watch_of(None)
+                    outcome.declared_before_step = watch is not None and watch.verdict is not None
+            if index == case.after - 1 and rank == 0:
+                time.sleep(case.stall_s)
             engine.execute(step)
             outcome.steps_done += 1
     except Exception as exc:
@@ -167,7 +196,8 @@ def run_fault_case(case: FaultCase, deadline_s: float) -> dict:
                 if r not in exited and not p.is_alive():
                     exited[r] = time.time()
 
-        survivors = case.world - 1
+        # a victim that raises (fault="raise") reports its own error too
+        survivors = case.world if case.fault == "raise" else case.world - 1
         while len(outcomes) < survivors and time.monotonic() - start < deadline_s:
             try:
                 o = results.get(timeout=0.5)
@@ -207,10 +237,12 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=30.0)
     parser.add_argument("--deadline", type=float, default=90.0)
     parser.add_argument("--linger", type=float, default=0.0)
+    parser.add_argument("--fault", default="sigkill", choices=("sigkill", "raise"))
+    parser.add_argument("--liveness-timeout", type=float, default=SyncChecks.liveness_timeout_s)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     case = FaultCase(args.world, args.victim, args.step_kind, backend=args.backend, pg_timeout_s=args.pg_timeout,
-                     linger_s=args.linger)
+                     linger_s=args.linger, fault=args.fault, liveness_timeout_s=args.liveness_timeout)
     summary = run_fault_case(case, args.deadline)
     summary.update(torch=torch.__version__, cuda=torch.version.cuda,
                    device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",

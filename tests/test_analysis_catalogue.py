@@ -438,6 +438,32 @@ def handles_tokens_and_side_effects():
     return VllmLayer(), _inputs({"kv": _kv()})
 
 
+#: state an op reaches through a string it is handed, whatever the argument is called
+ODD_CONTEXT: dict[str, torch.Tensor] = {}
+
+
+@torch.library.custom_op("pcppass_cat::blend_rows", mutates_args=())
+def blend_rows(x: torch.Tensor, slots: torch.Tensor, where: str) -> torch.Tensor:
+    ODD_CONTEXT[where].index_copy_(0, slots, x)   # writes the state ``where`` names
+    return x * 2                                  # and returns real output
+
+
+@blend_rows.register_fake
+def _(x, slots, where):
+    return torch.empty_like(x)
+
+
+class OddlyNamedHandle(torch.nn.Module):
+    def forward(self, x, s, c):
+        return torch.ops.pcppass_cat.blend_rows(x, s, "rows/0") + 1   # real output, used
+
+
+@module_construct([("rows/0", Refused(Uncovered.UNDECLARED_CACHE_HANDLE))])
+def oddly_named_string_handle_with_real_output():
+    ODD_CONTEXT["rows/0"] = torch.zeros(32, HEADS, DIM)
+    return OddlyNamedHandle(), _inputs({})
+
+
 # ----------------------------------------------------------------------------- the walk
 
 

@@ -129,10 +129,16 @@ def test_which_strings_address_state():
     assert string_addresses_state("layer_name", "layers.0.kv")
     assert string_addresses_state("prefix", "model.layers.3.mlp")
     assert string_addresses_state("target", "model.layers.0.self_attn.attn")  # a module path
+    # fail closed: any string that is not configuration by its name, whatever it holds
+    for arg, value in (("where", "rows/0"), ("cache_key", "k0"), ("layerName", "l0"), ("group_name", "0"),
+                       ("tag", "auto"), ("scaled_cache", "x"), ("dtype_of_cache", "kv")):
+        assert string_addresses_state(arg, value), (arg, value)
     for arg, value in (("kv_cache_dtype", "auto"), ("kv_cache_dtype", "fp8.e4m3"), ("scale_fmt", "ue8m0"),
                        ("mode", "nearest"), ("layer_norm_type", "rms"), ("isa", "amx"), ("approximate", "tanh"),
-                       ("reduce", "sum"), ("activation", "silu")):
+                       ("reduce", "sum"), ("activation", "silu"), ("quant_method", "fp8"), ("scaleFmt", "ue8m0")):
         assert not string_addresses_state(arg, value), (arg, value)
+    # a pattern that selects its layout by an argument makes that argument configuration
+    assert not string_addresses_state("cache_flavour", "fp8", options=("cache_flavour",))
 
 
 @torch.library.custom_op("pcppass_vllm_like::log_step", mutates_args=())

@@ -15,7 +15,17 @@ a peer that only failed because another peer's process exited would miss the bou
 timeout is not involved: the store is only used while compiling, which is done by then. Killing
 rank 0 (which hosts the TCPStore) is a separate case.
 
-The ranks and the dying op live in ``tests/rank_fault.py``, which also runs the same case on NCCL
+Every peer's error names the dead rank: pcppass's liveness watch (``SyncChecks.liveness``, a
+heartbeat per rank in the c10d store, read by a daemon thread) tells which peer stopped beating.
+Where nothing closes a connection (NCCL, where the peers' collective would spin until the NCCL
+watchdog takes the process down), the watch itself declares a silent peer dead after
+``SyncChecks.liveness_timeout_s`` (and, on NCCL, aborts the process group): the third case shows
+the verdict on gloo, with survivors that are not in a collective when the victim dies (they
+pause), so only the watch can notice; their next step raises naming the victim. It also stalls one
+live rank for longer than the timeout first, which must not be taken for a death (its heartbeat
+thread beats on).
+
+The ranks and the dying op live in ``tests/rank_fault.py``, which also runs the same cases on NCCL
 (2 GPUs) as a script.
 """
 
@@ -39,7 +49,11 @@ def _assert_peers_raised_promptly(summary: dict, case: FaultCase) -> None:
         assert o["kinds"][o["armed_step"]] == case.step_kind, o
         assert o["error"] == "PcpSyncError", o
         assert f"rank {o['rank']}" in o["message"] and "failed" in o["message"], o["message"]
-        assert o["after_death_s"] is not None and 0 <= o["after_death_s"] < GLOO_BOUND_S, o
+        assert f"Rank {case.victim} stopped responding: no heartbeat" in o["message"], o["message"]
+        assert o["after_death_s"] is not None and 0 <= o["after_death_s"] < case.pause_s + GLOO_BOUND_S, o
+        # the watch declared the victim dead while the survivor paused (only then: a live, stalled
+        # rank is never declared dead)
+        assert o["declared_before_step"] is bool(case.pause_s), o
     assert all(summary["exitcodes"][r] == 0 for r in peers), summary
 
 
@@ -49,6 +63,11 @@ GLOO_CASES = [
     FaultCase(world=4, victim=3, step_kind="decode"),
     # rank 0 hosts the TCPStore; killed during a mixed step (immediate syncs, then the engine's all-gather)
     FaultCase(world=2, victim=0, step_kind="mixed"),
+    # the victim dies while its peer pauses (no collective to break): the peer's liveness watch
+    # declares it dead after its timeout and aborts the group, the next step raises naming it.
+    # Before that, rank 0 stalls 2x the timeout while its peer waits for it: alive, not dead
+    FaultCase(world=2, victim=1, step_kind="decode", pause_s=5.0, stall_s=3.0, liveness_timeout_s=1.5,
+              liveness_interval_s=0.25),
 ]
 
 

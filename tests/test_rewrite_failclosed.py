@@ -155,8 +155,10 @@ class Rebinding(nn.Module):
         kv_step(x, slots, caches["k"], caches["v"])
         if self.what == "buffer":
             self.steps = self.steps + 1
-        else:
+        elif self.what == "dict":
             caches["extra"] = caches["extra"] + x.sum()
+        else:  # a new shape every step: the next call is a new graph (a recompile)
+            caches["extra"] = torch.cat([caches["extra"], x.sum(0, keepdim=True)[:, 0]])
         return x.sum(1)
 
 
@@ -224,10 +226,17 @@ def case_conflict(rank, group):
 
 def case_rebinding(rank, group, what):
     model = Rebinding(what)
-    caches = {"k": torch.zeros(NB, BS, 2, 4), "v": torch.zeros(NB, BS, 2, 4), "extra": torch.zeros(())}
-    step = _compiled(model, group, schedule="deferred")
-    errors = [_error(lambda: step(_rows(H, rank), _rows(SLOTS, rank) + 8 * i, caches)) for i in range(2)]
-    return {"errors": errors}
+    caches = {"k": torch.zeros(NB, BS, 2, 4), "v": torch.zeros(NB, BS, 2, 4),
+              "extra": torch.zeros(1) if what == "grow" else torch.zeros(())}
+    torch._dynamo.reset()
+    backend = PcpBackend(group=group, inner="eager", schedule="deferred")
+    step = torch.compile(model, backend=backend, fullgraph=True)
+    errors, synced = [], []
+    for i in range(2):
+        errors.append(_error(lambda: step(_rows(H, rank), _rows(SLOTS, rank) + 8 * i, caches)))
+        synced.append(_bytes(caches["k"], caches["v"]))
+    state = model.steps if what == "buffer" else caches["extra"]
+    return {"errors": errors, "synced": synced, "rebound": _bytes(state.reshape(-1)), "compiles": len(backend.reports)}
 
 
 def case_under_declared(rank, group, digest):
@@ -264,6 +273,7 @@ CASES = {
     "conflict": (case_conflict,),
     "rebind_buffer": (case_rebinding, "buffer"),
     "rebind_dict": (case_rebinding, "dict"),
+    "rebind_grow": (case_rebinding, "grow"),
     "undeclared_digest": (case_under_declared, True),
     "undeclared_no_digest": (case_under_declared, False),
     "computed_kv": (case_computed_slots, "kv"),
@@ -315,12 +325,23 @@ def test_conflicting_slot_raises_everywhere_and_replicas_stay_identical(outcomes
         assert a == b
 
 
-@pytest.mark.parametrize("what, state", [("buffer", "steps"), ("dict", "['extra']")])
+@pytest.mark.parametrize("what, state", [("buffer", "steps"), ("dict", "['extra']"), ("grow", "['extra']")])
 def test_state_rebound_by_the_step_is_named_by_the_backend(outcomes, what, state):
-    for o in outcomes:
-        first, second = o[f"rebind_{what}"]["errors"]
+    """The call that receives rebound state is refused on every rank before it writes anything
+    (its cache writes are absent, the synced caches equal on every rank); the rebound state itself
+    was computed by the previous step on each rank alone: equal across ranks only where every rank
+    computed the same value (``steps + 1``), not where it depends on the rank's rows."""
+    cases = [o[f"rebind_{what}"] for o in outcomes]
+    for o in cases:
+        first, second = o["errors"]
         assert first is None
         assert second is not None and "replaced state instead of writing it" in second and state in second
+        assert second.startswith("PcpSyncError: pcppass: rank ")
+        assert o["synced"][1] == o["synced"][0], "the refused call wrote into the caches"
+    assert cases[0]["synced"] == cases[1]["synced"]
+    # a rebinding that changes the state's shape is refused by the new graph's first call
+    assert all(o["compiles"] == (2 if what == "grow" else 1) for o in cases), cases
+    assert (cases[0]["rebound"] == cases[1]["rebound"]) is (what == "buffer")
 
 
 def test_under_declared_write_is_named_by_the_state_digest(outcomes):

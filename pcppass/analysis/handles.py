@@ -8,33 +8,61 @@ cache (and its slot mapping) from a per-step context at run time. Such an argume
   ``register_opaque_type(..., typ="value", hoist=True)``, which Dynamo lifts to a graph input).
   Its name is its real value: ``LayerName.value`` (``"model.layers.0.self_attn.attn"``), read from
   ``meta["example_value"].real_obj`` or ``meta["grapharg"].example``;
-* a string that addresses state: its argument is named like a layer (``layer_name``, ``prefix``,
-  ``layer``), or its value is a dotted module path. A string that selects a behaviour (a dtype,
-  mode or format: ``kv_cache_dtype="auto"``, ``scale_fmt="ue8m0"``) is never a handle.
+* every string argument of a custom op, unless it is configuration by a clear rule: the last
+  word of its argument name says it selects a behaviour (``kv_cache_dtype="auto"``,
+  ``scale_fmt="ue8m0"``, ``mode``, ``isa``, ``layer_norm_type``: :data:`CONFIG_WORDS`), or the
+  pattern covering the op selects its layout by that argument (``ByArgValue(arg=...)``). A string
+  is never assumed harmless for its value or an unusual name: ``where="rows/0"`` may name the
+  cache the op writes (fail closed).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.fx
 from torch._library.fake_class_registry import FakeScriptObject
 
 from pcppass.analysis.views import node_value
+from pcppass.spec import ByArgValue, WritePattern
 
-#: Argument names of strings that select a behaviour, never a piece of state.
-_OPTION_NAME = re.compile(
-    r"dtype|mode|fmt|format|isa|kind|type|layout|impl|backend|activation|reduction|padding|"
-    r"method|policy|scale|approximate|rounding|quant|device|precision|order|reduce",
-    re.IGNORECASE,
-)
-#: Argument names of strings that address state (a layer, a module prefix, a cache handle).
-_STATE_NAME = re.compile(r"layer|(^|_)(name|names|prefix|handle|cache_id)$", re.IGNORECASE)
-#: A dotted module path: ``model.layers.0.self_attn.attn``.
-_MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(\.\w+)+$")
+#: Last words of argument names (``kv_cache_dtype``, ``scale_fmt``, ``quant_method``) of strings
+#: that select a behaviour, never a piece of state.
+CONFIG_WORDS = frozenset({
+    "dtype", "dtypes", "mode", "fmt", "format", "isa", "kind", "type", "layout", "impl", "backend",
+    "activation", "act", "reduction", "reduce", "padding", "method", "policy", "scale",
+    "approximate", "rounding", "quant", "device", "precision", "order", "algorithm", "algo",
+    "variant", "strategy", "direction", "side", "indexing", "equation",
+})
+_WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+
+
+def _last_word(arg: str) -> str:
+    """``kv_cache_dtype`` -> ``dtype``; ``scaleFmt`` -> ``fmt``."""
+    words = _WORD.findall(arg)
+    return words[-1].lower() if words else ""
+
+
+def is_configuration(arg: str, options: Collection[str] = ()) -> bool:
+    """Whether a string argument named ``arg`` selects a behaviour: its name ends in one of
+    :data:`CONFIG_WORDS`, or the op's pattern lists it among ``options``."""
+    return arg in options or _last_word(arg) in CONFIG_WORDS
+
+
+def string_addresses_state(arg: str, value: str, options: Collection[str] = ()) -> bool:
+    """A string argument is a handle unless it is configuration (its value does not matter: a
+    layer name, a cache key or a path can be spelled any way)."""
+    return not is_configuration(arg, options)
+
+
+def pattern_options(pattern: WritePattern | None) -> frozenset[str]:
+    """String arguments ``pattern`` reads as configuration: those its layouts select on."""
+    if pattern is None:
+        return frozenset()
+    return frozenset(c.layout.arg for c in pattern.caches if isinstance(c.layout, ByArgValue))
 
 
 @dataclass(frozen=True)
@@ -44,13 +72,6 @@ class Handle:
     arg: str  # schema argument name
     name: str  # what it addresses: the opaque object's value, or the string
     value: Any  # the argument as the call holds it (a placeholder node, or a constant)
-
-
-def string_addresses_state(arg: str, value: str) -> bool:
-    """A string argument is a handle when it names state, never when it selects an option."""
-    if _OPTION_NAME.search(arg):
-        return False
-    return bool(_STATE_NAME.search(arg) or _MODULE_PATH.match(value))
 
 
 def _real_object(value: Any) -> Any:
@@ -104,8 +125,12 @@ def _elements(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def call_handles(schema: torch.FunctionSchema, bound: dict[str, Any]) -> list[Handle]:
-    """Every handle among a call's arguments (bound by schema name), in schema order."""
+def call_handles(schema: torch.FunctionSchema, bound: dict[str, Any],
+                 options: Collection[str] = ()) -> list[Handle]:
+    """Every handle among a call's arguments (bound by schema name), in schema order.
+
+    ``options``: string arguments the op's pattern reads as configuration (:func:`pattern_options`).
+    """
     found: list[Handle] = []
     for formal in schema.arguments:
         value = bound.get(formal.name)
@@ -113,7 +138,7 @@ def call_handles(schema: torch.FunctionSchema, bound: dict[str, Any]) -> list[Ha
             real = _real_object(item)
             if real is not None or (_is_object_type(formal) and item is not None):
                 found.append(Handle(formal.name, _object_name(real if real is not None else item, item), item))
-            elif isinstance(item, str) and string_addresses_state(formal.name, item):
+            elif isinstance(item, str) and string_addresses_state(formal.name, item, options):
                 found.append(Handle(formal.name, item, item))
     return found
 

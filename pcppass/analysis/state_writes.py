@@ -57,13 +57,14 @@ import torch
 import torch.fx
 
 from pcppass.analysis.defuse import DefUse
-from pcppass.analysis.handles import Handle, call_handles, value_handles
+from pcppass.analysis.handles import Handle, call_handles, pattern_options, value_handles
 from pcppass.analysis.opaque import OpaqueCall, opaque_call
 from pcppass.analysis.records import StateKind, StateWrite, Uncovered
 from pcppass.analysis.schema import (
     SETITEM_ARGS, aten_overload, bind_schema, resolve_overload, written_args,
 )
 from pcppass.analysis.views import AliasMap, fake_value, node_value, storage_keys, view_info
+from pcppass.registry import pattern_for_op
 
 #: Operator namespaces that are torch's own (never a user cache-write op).
 TORCH_NAMESPACES = frozenset({
@@ -376,7 +377,8 @@ def _handle_records(
     op = overload._schema.name
     bound = bind_schema(overload._schema, node.args, node.kwargs) or {}
     declared = written_args(overload._schema)
-    records = [_handle_record(node, op, h, declared, bound) for h in call_handles(overload._schema, bound)]
+    handles = call_handles(overload._schema, bound, pattern_options(pattern_for_op(op)))
+    records = [_handle_record(node, op, h, declared, bound) for h in handles]
     if records or declared or not _only_a_dependency_token(node, defuse):
         return records
     for arg, value in bound.items():

@@ -22,6 +22,9 @@ vLLM piecewise backend                      one piece of ``split_graph`` (betwee
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import types
 
 import torch
 import torch.fx
@@ -75,13 +78,16 @@ def is_dynamo_graph_module(gm: torch.fx.GraphModule) -> bool:
 
 
 def graph_breaks(gm: torch.fx.GraphModule) -> list[str] | None:
-    """The graph break that ends ``gm``, and whether it resumes after one; None: cannot tell.
+    """The graph break that ends ``gm``, whether it resumes after one, and whether it is the graph
+    of a frame called by eager code Dynamo skipped; None: cannot tell.
 
     A step split into several graphs runs the code between them eagerly, unseen by the analysis:
-    a graph that ends in a break, or a resume function's graph, is not the whole step. Dynamo says
-    neither in a public API: the compile reason is read from the graph module (torch >= 2.12) or
-    the frame Dynamo is translating, the frame's code name from that frame. Anything missing or
-    unexpected returns None, and the caller refuses to shard unless told the graph is whole.
+    a graph that ends in a break, a resume function's graph, or the graph of a frame whose caller
+    Dynamo skipped (:func:`eager_caller`) is not the whole step. Dynamo says none of it in a
+    public API: the compile reason is read from the graph module (torch >= 2.12) or the frame
+    Dynamo is translating, the frame's code name from that frame, its caller from the Python
+    stack. Anything missing or unexpected returns None, and the caller refuses to shard unless
+    told the graph is whole.
     """
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
@@ -106,4 +112,45 @@ def graph_breaks(gm: torch.fx.GraphModule) -> list[str] | None:
         found.append(f"graph break{where}: {str(text).strip().splitlines()[0]}")
     if code_name.startswith("torch_dynamo_resume_in_"):
         found.append(f"graph resumes after a graph break ({code_name}): the code before it ran eagerly")
+        return found
+    caller = eager_caller()
+    if caller is None:
+        return found or None
+    if caller:
+        found.append(f"graph of {code_name}, called by {caller}, which Dynamo skipped and ran eagerly: "
+                     "the step's code around this call is in no graph")
     return found
+
+
+def eager_caller(frame: types.FrameType | None = None) -> str | None:
+    """Where the frame Dynamo is compiling was called from, if that is user code running eagerly;
+    "" if it was called by ``torch.compile``'s own wrapper; None: cannot tell.
+
+    When Dynamo skips a frame (a graph break it cannot resume from, a frame it will not trace), it
+    runs it eagerly and compiles the frames it calls, each as its own graph: such a graph is not
+    the whole step. Read from the Python stack (no API says it): above the backend sit Dynamo's
+    frame-conversion callbacks (``convert_frame.py``), then the caller of the compiled frame;
+    above that, through torch's own modules (``nn.Module.__call__``), either the wrapper in
+    ``torch/_dynamo/eval_frame.py`` (the frame is the compiled function itself) or a user frame.
+    """
+    frame = frame or sys._getframe(1)
+    while frame is not None and not _is_torch_file(frame, "_dynamo/convert_frame.py"):
+        frame = frame.f_back
+    while frame is not None and _is_torch_file(frame, "_dynamo/convert_frame.py"):
+        frame = frame.f_back
+    while frame is not None and _is_torch_file(frame, ""):
+        if _is_torch_file(frame, "_dynamo/eval_frame.py"):
+            return ""
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    return f"{code.co_name} ({code.co_filename}:{frame.f_lineno})"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _is_torch_file(frame: types.FrameType, relative: str) -> bool:
+    filename = frame.f_code.co_filename
+    return filename.startswith(_TORCH_DIR) and filename[len(_TORCH_DIR):].replace(os.sep, "/").startswith(relative)

@@ -18,6 +18,7 @@ from typing import Any, Callable, NoReturn
 import torch.distributed as dist
 
 from pcppass.errors import PcpCoverageError, PcpError, PcpSyncError
+from pcppass.runtime import liveness
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +31,16 @@ def group_rank(group: dist.ProcessGroup | None) -> int | None:
         return None
 
 
-def abort_group(group: dist.ProcessGroup | None) -> bool:
+def abort_group(group: dist.ProcessGroup | None, *, failed: bool = True) -> bool:
     """Abort ``group`` (None: the world group and every subgroup) so peers stop waiting on it.
 
     NCCL aborts its communicators; a gloo group closes its connections when the group object is
     destroyed, which is why callers pass the group they were configured with (None for the world
-    group) rather than keep a resolved world group alive. Idempotent: a group that is gone
-    already is left alone. Returns True if this call aborted it.
+    group) rather than keep a resolved world group alive. With ``failed`` (this rank's own
+    failure), the peers' liveness watches are told through the store, so they abort their groups
+    too within one heartbeat interval (on NCCL nothing else would release a peer waiting in a
+    collective). Idempotent: a group that is gone already is left alone. Returns True if this
+    call aborted it.
     """
     if not dist.is_initialized():
         return False
@@ -46,6 +50,10 @@ def abort_group(group: dist.ProcessGroup | None) -> bool:
         return False  # destroyed or aborted already
     if group is not None and group is c10d.GroupMember.WORLD:
         group = None
+    if failed:
+        watches = liveness.live_watches() if group is None else [liveness.watch_of(group)]
+        for watch in filter(None, watches):
+            watch.mark_failed()
     aborted = group if group is not None else c10d.GroupMember.WORLD
     abort = getattr(c10d, "_abort_process_group", None)
     try:
@@ -57,6 +65,17 @@ def abort_group(group: dist.ProcessGroup | None) -> bool:
         log.debug("pcppass: aborting the process group raised %r", exc)
     _drop_import_time_references(aborted)
     return True
+
+
+def abort_group_by_id(pg_id: int) -> None:
+    """Abort the group whose ``id()`` is ``pg_id`` if it still exists (a liveness watch holds
+    the id, never the group), without marking this rank failed: a peer is the cause."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for pg in list(c10d._world.pg_map):
+        if id(pg) == pg_id:
+            abort_group(None if pg is c10d.GroupMember.WORLD else pg, failed=False)
+            return
 
 
 def _drop_import_time_references(group: dist.ProcessGroup) -> None:
@@ -80,25 +99,38 @@ def stop_error(exc: BaseException, group: dist.ProcessGroup | None, rank: int | 
 
     A :class:`PcpCoverageError` is a compile-time decision every rank makes alike on the same
     graph: the group stays usable and the error is returned as it is. Any other
-    :class:`PcpError` already names its cause and is returned as it is, after the abort. Anything
-    else (typically the collective that a peer's abort broke) becomes a :class:`PcpSyncError`
-    that says which rank saw it and during what.
+    :class:`PcpError` already names its cause and is returned as it is, after the abort, unless
+    the liveness watch had found a peer dead (then whatever this rank saw next, such as an
+    aborted collective's garbage, is a consequence, and the dead peer is named). Anything else
+    (typically the collective that a peer's abort or death broke) becomes a :class:`PcpSyncError`
+    that says which rank saw it, during what, and, from the liveness watch, which peer stopped
+    beating or failed first. An error this function made is never wrapped again.
     """
-    if isinstance(exc, PcpCoverageError):
+    if isinstance(exc, PcpCoverageError) or getattr(exc, "from_fail_stop", False):
         return exc
+    watch = liveness.watch_of(group)
     abort_group(group)
-    if isinstance(exc, PcpError) or not isinstance(exc, Exception):
+    if not isinstance(exc, Exception):
         return exc
+    if isinstance(exc, PcpError):
+        verdict = watch.verdict if watch is not None else None
+        if verdict is None or verdict.kind != "dead":
+            return exc
+    else:
+        verdict = watch.culprit() if watch is not None else None
     who = f"rank {rank}" if rank is not None else "this rank"
     text = str(exc).strip()
     first_line = text.splitlines()[0] if text else type(exc).__name__
-    return PcpSyncError(
-        f"pcppass: {who}: {what} failed ({type(exc).__name__}: {first_line}). If another rank "
-        "failed first, its own error names the cause (bad inputs on that rank, a compile on that "
-        "rank only) and its abort of the process group is what broke this rank's collective. The "
-        "process group is aborted here too, so every rank stops instead of waiting for the "
-        "collective timeout."
+    cause = verdict.sentence(watch.timeout_s) if verdict is not None else (
+        "If another rank failed first, its own error names the cause (bad inputs on that rank, a "
+        "compile on that rank only) and its abort of the process group is what broke this rank's "
+        "collective.")
+    error = PcpSyncError(
+        f"pcppass: {who}: {what} failed ({type(exc).__name__}: {first_line}). {cause} The process "
+        "group is aborted here too, so every rank stops instead of waiting for the collective timeout."
     )
+    error.from_fail_stop = True
+    return error
 
 
 def raise_fail_stop(exc: BaseException, group: dist.ProcessGroup | None, rank: int | None,
@@ -111,13 +143,25 @@ def raise_fail_stop(exc: BaseException, group: dist.ProcessGroup | None, rank: i
 
 
 def fail_stopping(step: Callable, group: dist.ProcessGroup | None, rank: int | None,
-                  what: str) -> Callable:
-    """``step`` with fail-stop: any error it raises aborts ``group`` first (see :func:`stop_error`)."""
+                  what: str, watch: liveness.PeerWatch | None = None) -> Callable:
+    """``step`` with fail-stop: any error it raises aborts ``group`` first (see :func:`stop_error`).
+
+    With the group's liveness ``watch``: a step that returns although the watch aborted the group
+    meanwhile (on NCCL an aborted collective ends without an error) raises, naming the peer."""
 
     def run(*args: Any) -> Any:
         try:
-            return step(*args)
+            outputs = step(*args)
         except BaseException as exc:
             raise_fail_stop(exc, group, rank, what)
+        if watch is not None and watch.aborted:
+            error = PcpSyncError(
+                f"pcppass: rank {rank}: {what} ran while its process group was aborted: "
+                f"{watch.verdict.sentence(watch.timeout_s)} Its collectives did not complete, so "
+                "its outputs and the state it wrote are not valid."
+            )
+            error.from_fail_stop = True
+            raise error
+        return outputs
 
     return run

@@ -4,8 +4,11 @@
   caches["k"].index_copy(...)`` or ``self.buf = self.buf + 1`` inside the step becomes a graph
   output that Dynamo stores back into the dict or module AFTER the graph, where no replica sync sees
   it. The next call then receives, where that state sits, a tensor the previous call returned:
-  refused before the step runs, naming the state. Arguments passed as bare locals (``L['x']``)
-  cannot be rebound by the step and are not watched.
+  refused before the step runs (on every rank: each receives its own rebound tensor), naming the
+  state. The previous call is that of any graph of the backend (:class:`StepHistory`), so a
+  rebinding that makes Dynamo recompile (a new shape) is refused by the new graph's first call.
+  The rebound state itself was computed by the rebinding step on each rank alone. Arguments
+  passed as bare locals (``L['x']``) cannot be rebound by the step and are not watched.
 * :class:`StateDigestCheck`: a write the graph cannot see (a custom op whose ``mutates_args``
   omits a cache it writes). On checked calls (the first ``digest_first_steps``, then every
   ``digest_every``-th), every non-parameter tensor argument is digested before and after the
@@ -42,30 +45,40 @@ def source_names(gm: torch.fx.GraphModule) -> list[str | None]:
     return names
 
 
+class StepHistory:
+    """What the previous call of any graph of one backend returned, and which tensor each watched
+    source held: shared by the graphs of the backend, so a rebinding that makes Dynamo recompile
+    (the new tensor fails a guard) is refused by the new graph's first call too."""
+
+    def __init__(self) -> None:
+        self.input_ids: dict[str, int] = {}
+        self.outputs: dict[int, weakref.ref] = {}
+
+
 class RebindCheck:
     """See the module docstring. Call :meth:`before` with the step's arguments and
     :meth:`after` with its outputs."""
 
-    def __init__(self, names: Sequence[str | None], rank: int | None) -> None:
+    def __init__(self, names: Sequence[str | None], rank: int | None,
+                 history: StepHistory | None = None) -> None:
         #: argument position -> source name, for the state a step could rebind (parameters are
         #: left out: a decode step does not rebind weights, and there are many of them)
         self.watched = {i: n for i, n in enumerate(names)
                         if n is not None and not _BARE_LOCAL.match(n) and "_parameters[" not in n}
         self.rank = rank
-        self._input_ids: dict[int, int] = {}
-        self._outputs: dict[int, weakref.ref] = {}
+        self.history = history or StepHistory()
 
     def before(self, args: Sequence[Any]) -> None:
         rebound = []
+        seen, outputs = self.history.input_ids, self.history.outputs
         for i, name in self.watched.items():
             arg = args[i]
             if not isinstance(arg, torch.Tensor):
                 continue
-            was = self._input_ids.get(i)
-            returned = self._outputs.get(id(arg))
-            if was is not None and was != id(arg) and returned is not None and returned() is arg:
+            returned = outputs.get(id(arg))
+            if seen.get(name) != id(arg) and returned is not None and returned() is arg:
                 rebound.append(name)
-            self._input_ids[i] = id(arg)
+            seen[name] = id(arg)
         if rebound:
             raise PcpSyncError(
                 f"pcppass: rank {self.rank}: the previous step replaced state instead of writing it "
@@ -79,7 +92,7 @@ class RebindCheck:
 
     def after(self, outputs: Any) -> None:
         flat = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-        self._outputs = {id(t): weakref.ref(t) for t in flat if isinstance(t, torch.Tensor)}
+        self.history.outputs = {id(t): weakref.ref(t) for t in flat if isinstance(t, torch.Tensor)}
 
 
 def tensor_digest(t: torch.Tensor) -> tuple[int, int]:
@@ -174,10 +187,11 @@ def _capturing() -> bool:
 
 
 def checking_state(compiled: Callable, gm: torch.fx.GraphModule, group: dist.ProcessGroup | None,
-                   checks: SyncChecks, rank: int | None) -> Callable:
-    """``compiled`` with the state rebinding and digest checks (see the module docstring)."""
+                   checks: SyncChecks, rank: int | None, history: StepHistory | None = None) -> Callable:
+    """``compiled`` with the state rebinding and digest checks (see the module docstring);
+    ``history``: shared by every graph of one backend."""
     names = source_names(gm)
-    rebinding = RebindCheck(names, rank) if checks.rebinding else None
+    rebinding = RebindCheck(names, rank, history) if checks.rebinding else None
     digest = StateDigestCheck(names, group, checks, rank) if checks.state_digest else None
 
     def run(*args: Any) -> Any:
