@@ -10,8 +10,10 @@ then says that a peer stopped, and the failing rank's error names the cause.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
+import traceback
 import types
 from typing import Any, Callable, NoReturn
 
@@ -117,6 +119,11 @@ def stop_error(exc: BaseException, group: dist.ProcessGroup | None, rank: int | 
         if verdict is None or verdict.kind != "dead":
             return exc
     else:
+        # Naming the culprit takes a few heartbeat intervals: first let go of what the failed
+        # collective's frames hold (the group), so a gloo group closes its connections now and
+        # releases the peers still waiting on this rank.
+        traceback.clear_frames(exc.__traceback__)
+        gc.collect()
         verdict = watch.culprit() if watch is not None else None
     who = f"rank {rank}" if rank is not None else "this rank"
     text = str(exc).strip()

@@ -84,7 +84,6 @@ def _private_store(store: dist.Store, timeout_s: float) -> dist.Store:
     return base
 
 
-
 class PeerWatch:
     """The heartbeat thread of one process group (see the module docstring)."""
 
@@ -216,7 +215,8 @@ class PeerWatch:
     # ------------------------------------------------------------------ the fail-stop path
 
     def mark_failed(self) -> None:
-        """This rank's fail-stop aborts the group: tell the peers (their watches abort theirs)."""
+        """This rank's fail-stop aborts the group: tell the peers (their watches name this rank,
+        and on NCCL abort their groups)."""
         try:
             ordinal = self._add("failures", 1)
             if self._set_state(ordinal):
