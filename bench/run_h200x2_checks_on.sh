@@ -11,7 +11,9 @@
 #            replicated, pcppass deferred (checks on), no sync.
 # Everything in one call of at most BUDGET_S seconds (default 180). NVLink multicast stays off.
 # Run on 2026-11-30 at commit c30472f: every checked step failed at the state digest (a CPU tensor
-# all-gathered on NCCL; bench/results/bench_h200x2_checks_on_attempt1.log). Fixed in 59b526e; not re-run yet.
+# all-gathered on NCCL; bench/results/bench_h200x2_checks_on_attempt1.log). Fixed in 59b526e; re-run on
+# 2026-12-01 (BUDGET_S=560, 182 s): every variant captured, replicas equal after the replays, checks add
+# 1.1-9.7 us per step (<= 0.40%); bench/results/bench_h200x2_checks_on_l{2,16}.*.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}

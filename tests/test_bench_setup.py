@@ -138,3 +138,28 @@ def test_summary_table_names_transport_and_checks():
                         "% of ideal, pcppass all-gather, checks on | % of ideal, pcppass peer stores, checks on | "
                         "replicas equal after replays |")
     assert lines[2] == "| llama | 2 | 32 | 32k | 4.000 | 2.200 | 2.100 | 2.090 | 2.000 | 2.00× | 90.9 | 95.2 | True |"
+
+
+def test_summary_table_puts_each_row_under_the_transport_it_ran():
+    """A deferred variant on ordinary caches (all-gather) next to one in symmetric memory (peer
+    stores): each lands in its own transport's column, never under the other's header."""
+    from pcppass.bench import step_report
+
+    def v(ms, transport=None):
+        return {"cuda_graph": {"captured": True, "slowest_rank_ms": ms, "replicas_equal_after_replays": True},
+                **({"transport": transport} if transport else {})}
+
+    peer = {"rows_per_rank": 32, "context": 32768, "variants": {
+        "replicated": v(4.0), "deferred": v(2.1, "peer stores"), "nosync": v(2.0)}}
+    gather = {"rows_per_rank": 32, "context": 32768, "variants": {
+        "replicated": v(40.0), "deferred": v(21.0, "all-gather (a cache is not in symmetric memory)"),
+        "nosync": v(20.0)}}
+    results = [{"models": {"m": {"model": "m", "layers": 2, "configs": [peer]}}},
+               {"models": {"m": {"model": "m", "layers": 16, "configs": [gather]}}}]
+    lines = step_report.summary_table(results).splitlines()
+    assert lines[0] == ("| model | layers | N/rank | context | replicated ms | pcppass all-gather, checks on ms | "
+                        "pcppass peer stores, checks on ms | no sync ms | ideal | "
+                        "% of ideal, pcppass all-gather, checks on | % of ideal, pcppass peer stores, checks on | "
+                        "replicas equal after replays |")
+    assert lines[2] == "| m | 2 | 32 | 32k | 4.000 | – | 2.100 | 2.000 | 2.00× | – | 95.2 | True |"
+    assert lines[3] == "| m | 16 | 32 | 32k | 40.000 | 21.000 | – | 20.000 | 2.00× | 95.2 | – | True |"

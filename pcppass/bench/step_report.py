@@ -192,31 +192,42 @@ SUMMARY = ("replicated", "deferred_allgather", "deferred_allgather_nochecks", "d
 
 def summary_table(results: list[dict]) -> str:
     """One row per (model, layers, N, C) of every result: each variant's CUDA-graph replay (slowest
-    rank's median, ms) under a header naming its transport and checks, the ideal speedup
-    (replicated / no sync), each checked pcppass variant's share of it, and whether the replicas
-    were bitwise equal after the synced variants' replays."""
-    rows, cols = [], [v for v in SUMMARY if any(_graph_ms(e, v) for r in results for m in r.get("models", {}).values()
-                                                for e in m.get("configs", []))]
-    names = {}
-    for r in results:
-        for m in r.get("models", {}).values():
-            for e in m.get("configs", []):
-                for v in cols:
-                    names.setdefault(v, _column(v, e["variants"].get(v, {})))
-                ms = {v: _graph_ms(e, v) for v in cols}
-                rep, nos = ms.get("replicated"), ms.get("nosync")
-                shares = [fmt(100 * nos / ms[v] if nos and ms.get(v) else None, ".1f")
-                          for v in ("deferred_allgather", "deferred") if v in cols]
-                equal = all(e["variants"][v]["cuda_graph"].get("replicas_equal_after_replays", False)
-                            for v in cols if v in SYNCED and ms.get(v))
-                rows.append([m["model"], str(m["layers"]), str(e["rows_per_rank"]), f"{e['context'] // 1024}k"]
-                            + [fmt(ms[v]) for v in cols] + [fmt(rep / nos if rep and nos else None, ".2f") + "×"]
-                            + shares + [str(equal)])
-    head = (["model", "layers", "N/rank", "context"] + [f"{names[v]} ms" for v in cols] + ["ideal"]
-            + [f"% of ideal, {names[v]}" for v in ("deferred_allgather", "deferred") if v in cols]
-            + ["replicas equal after replays"])
+    rank's median, ms) under a header naming the transport it actually ran with and its checks (so a
+    deferred variant on ordinary caches lands in the all-gather column, not the peer-store one), the
+    ideal speedup (replicated / no sync), each checked pcppass column's share of it, and whether the
+    replicas were bitwise equal after the synced variants' replays."""
+    entries = [(m, e) for r in results for m in r.get("models", {}).values() for e in m.get("configs", [])]
+    cols: list[str] = []
+    for v in SUMMARY:
+        for _, e in entries:
+            name = _column(v, e["variants"].get(v, {}))
+            if _graph_ms(e, v) and name not in cols:
+                cols.append(name)
+    seen = list(cols)
+    cols = sorted(cols, key=lambda c: _column_order(c, seen))
+    checked = [c for c in cols if c.startswith("pcppass") and c.endswith("checks on")]
+    rows = []
+    for m, e in entries:
+        ms = {_column(v, e["variants"].get(v, {})): _graph_ms(e, v) for v in SUMMARY if _graph_ms(e, v)}
+        rep, nos = ms.get(LABELS["replicated"]), ms.get(LABELS["nosync"])
+        shares = [fmt(100 * nos / ms[c] if nos and ms.get(c) else None, ".1f") for c in checked]
+        equal = all(e["variants"][v]["cuda_graph"].get("replicas_equal_after_replays", False)
+                    for v in SUMMARY if v in SYNCED and _graph_ms(e, v))
+        rows.append([m["model"], str(m["layers"]), str(e["rows_per_rank"]), f"{e['context'] // 1024}k"]
+                    + [fmt(ms.get(c)) for c in cols] + [fmt(rep / nos if rep and nos else None, ".2f") + "×"]
+                    + shares + [str(equal)])
+    head = (["model", "layers", "N/rank", "context"] + [f"{c} ms" for c in cols] + ["ideal"]
+            + [f"% of ideal, {c}" for c in checked] + ["replicas equal after replays"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _column_order(name: str, seen: list[str]) -> tuple:
+    """replicated, pcppass (all-gather, then peer stores; checks on before off), per-site, no sync."""
+    group = 0 if name == LABELS["replicated"] else 1 if name.startswith("pcppass") else \
+        3 if name == LABELS["nosync"] else 2
+    transport = 0 if "all-gather" in name else 1 if "peer stores" in name else 2
+    return group, transport, name.endswith("checks off"), seen.index(name)
 
 
 def _graph_ms(entry: dict, variant: str) -> float | None:
