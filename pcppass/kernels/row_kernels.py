@@ -57,11 +57,15 @@ MAX_SEGMENTS = 4
 MAX_ARGS = 8
 #: ranks a peer-store table holds a replica distance for (and the check kernels compare)
 MAX_WORLD = 8
-#: words per tile (one program)
+#: words per tile (one program), warps per program of the tile kernels
 BLOCK = 512
+NUM_WARPS = 4
 #: rows of one rank one program of check_kernel compares (against CHECK_ROWS of another at a
 #: time: a larger tile spills registers, ptxas -v: 64x256 took 255 registers + 3.3 KB of spills)
 CHECK_ROWS = 32
+#: most rows per rank of a slot segment the peer-store launch checks itself, in the program that
+#: passed the barrier (one program: its compares grow as rows squared); more take check_kernel
+FUSED_CHECK_ROWS = 128
 #: int64 fields of a tile-table entry (see row_kernels_triton)
 TILE_FIELDS = 17 + MAX_WORLD
 #: entry kinds
@@ -306,7 +310,7 @@ def pack(out: torch.Tensor, tiles: TileTable, args: list[torch.Tensor], me: int)
     """Run a pack table (header, rows, payloads) into ``out``."""
     kernels().pack_kernel[(tiles.num_tiles,)](out, tiles.table, tiles.tiles, *args,
                                               device_checks.status(out.device), me,
-                                              ENTRY=TILE_FIELDS, BLOCK=BLOCK)
+                                              ENTRY=TILE_FIELDS, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 @dataclass(frozen=True)
@@ -321,19 +325,31 @@ class Chunks:
     counters: torch.Tensor | None = None
 
 
-def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, conflicts: bool) -> None:
+def _pow2(n: int, low: int = 1) -> int:
+    return max(low, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _header_tile(world: int, head_len: int) -> dict[str, int]:
+    """Constexprs of the header compare: every rank (WP) times HB header bytes per round."""
+    return {"WP": _pow2(world), "HB": min(_pow2(head_len, 16), max(256, 4096 // _pow2(world)))}
+
+
+def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, conflicts: bool,
+          sync_label: int = -1) -> None:
     """Every rank's header against this rank's and, with ``conflicts``, every slot of the
     segments ``tiles.extra["segs"]`` against the other ranks' (see ``check_kernel``): row flags in
     ``tiles.extra["flags"]``, ``tiles.extra["verdict"][0]`` 1 when the headers differ; rows two
-    ranks wrote are zeroed in the caches of ``tiles``' entries."""
+    ranks wrote are zeroed in the caches of ``tiles``' entries. ``sync_label``: the label a
+    header that differs is reported under (-1: none)."""
     segs = tiles.extra["segs"]
-    per_rank = max(1, -(-int(tiles.extra["max_rows"]) // CHECK_ROWS))
+    max_rows = int(tiles.extra["max_rows"])
+    per_rank = max(1, -(-max_rows // CHECK_ROWS))
     kernels().check_kernel[(segs.shape[0], world * per_rank)](
         chunks.anchor, chunks.offset, chunks.stride, chunks.half,
         chunks.counters if chunks.counters is not None else segs, segs, tiles.extra["flags"],
         tiles.extra["verdict"], tiles.table, tiles.num_entries, device_checks.status(chunks.anchor.device), me,
-        world, head_len, int(conflicts), per_rank, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS, BLOCK_K=CHECK_ROWS,
-        BLOCK_H=256)
+        world, head_len, int(conflicts), per_rank, sync_label, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS,
+        BLOCK_K=min(_pow2(max_rows, CHECK_ROWS), 128), **_header_tile(world, head_len))
 
 
 def check_tables(segments: Sequence[tuple[int, int, int, int]], world: int) -> dict:
@@ -349,21 +365,60 @@ def check_tables(segments: Sequence[tuple[int, int, int, int]], world: int) -> d
 
 
 def scatter(buf: torch.Tensor, tiles: TileTable) -> None:
-    """Run a scatter table: rows from ``buf`` into the caches (flags from :func:`check`)."""
+    """Run a scatter table: rows from ``buf`` into the caches (flags from :func:`check`, for the
+    entries that have them: ``tiles.extra["checked"]``; ``tiles.extra["slots8"]``: every
+    entry's slots are 8-aligned)."""
     if tiles.num_tiles:
         flags = tiles.extra.get("flags", buf)
         kernels().scatter_kernel[(tiles.num_tiles,)](buf, tiles.table, tiles.tiles, flags,
-                                                     device_checks.status(buf.device),
-                                                     ENTRY=TILE_FIELDS, BLOCK=BLOCK)
+                                                     device_checks.status(buf.device), ENTRY=TILE_FIELDS,
+                                                     BLOCK=BLOCK, SLOTS8=bool(tiles.extra.get("slots8", False)),
+                                                     FLAGS=bool(tiles.extra.get("checked", True)),
+                                                     num_warps=NUM_WARPS)
+
+
+def scatter_extra(entries: Sequence[Sequence[int]]) -> dict:
+    """What :func:`scatter` specialises on, from a scatter table's entries."""
+    return {"slots8": all(e[12] % 8 == 0 for e in entries), "checked": any(e[14] >= 0 for e in entries)}
+
+
+@dataclass(frozen=True)
+class PeerChecks:
+    """What the peer-store launch checks after its barrier: every rank's header of ``head_len``
+    bytes, with ``conflicts`` every slot segment of the table's ``extra["segs"]``; a header that
+    differs is reported under ``sync_label``."""
+
+    head_len: int
+    conflicts: bool
+    sync_label: int
+
+
+def sync_label(transport: str, labels: Sequence[str]) -> int:
+    """The label a sync's header error is reported under: the sync, by its caches' sites."""
+    more = f" and {len(labels) - 1} more caches" if len(labels) > 1 else ""
+    return device_checks.label(f"{transport} sync of {labels[0] if labels else 'no cache'}{more}")
+
+
+def fused_check_fits(tiles: TileTable) -> bool:
+    """Whether the peer-store launch can check this table itself (:data:`FUSED_CHECK_ROWS`)."""
+    return int(tiles.extra.get("max_rows", 0)) <= FUSED_CHECK_ROWS
 
 
 def peer_store(tiles: TileTable, args: list[torch.Tensor], mailbox: torch.Tensor, mailbox_deltas: torch.Tensor,
-               counters: torch.Tensor, me: int, world: int, capacity: int, limit: int) -> None:
+               counters: torch.Tensor, me: int, world: int, capacity: int, limit: int,
+               checks: PeerChecks | None = None, stages: int = 3) -> None:
     """Run a peer-store table, then the epoch barrier (bounded by ``limit``: ns on the device,
-    spins when interpreting)."""
+    spins when interpreting), then, with ``checks`` (a table :func:`fused_check_fits`), the checks
+    on the mailbox, in the same launch. ``stages``: 1 the stores only, 2 the barrier and checks
+    only, 3 both (see ``peer_kernel``)."""
+    segs = tiles.extra["segs"]
+    rows = _pow2(tiles.extra.get("max_rows", 0)) if checks else 1
     kernels().peer_kernel[(tiles.num_tiles,)](
         tiles.table, tiles.tiles, *args, mailbox, mailbox_deltas, counters, device_checks.status(mailbox.device),
-        me, world, capacity, limit, ENTRY=TILE_FIELDS, BLOCK=BLOCK, USE_TIMER=not _interpreting())
+        me, world, capacity, limit, stages, segs, segs.shape[0], tiles.num_entries,
+        checks.head_len if checks else 0, int(bool(checks and checks.conflicts)), checks.sync_label if checks else -1,
+        ENTRY=TILE_FIELDS, BLOCK=BLOCK, USE_TIMER=not _interpreting(), CHECK=checks is not None, num_warps=NUM_WARPS,
+        **_header_tile(world, checks.head_len if checks else 1), NP=rows, CN=max(1, min(rows, 2048 // rows)))
 
 
 #: (device, checks) -> device table of input_kernel

@@ -74,6 +74,7 @@ S_EPOCH = tl.constexpr(status_words.EPOCH)
 S_INPUT = tl.constexpr(status_words.INPUT)
 S_INPUT_VALUE = tl.constexpr(status_words.INPUT_VALUE)
 S_OUT_OF_STEP = tl.constexpr(status_words.OUT_OF_STEP)
+S_HEADER_LABEL = tl.constexpr(status_words.HEADER_LABEL)
 
 #: a row's check flag: 0 apply it, 1 its slot has two owners (zeroed), 2 the headers differ
 CONFLICT = tl.constexpr(1)
@@ -91,6 +92,16 @@ MOST_NEGATIVE = tl.constexpr(-9223372036854775807)
 @triton.jit
 def _max2(a, b):
     return tl.maximum(a, b)
+
+
+@triton.jit
+def _min2(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _smallest(x, axis):
+    return tl.reduce(x, axis, _min2)
 
 
 @triton.jit
@@ -279,20 +290,23 @@ def pack_kernel(out, table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, status, me,
 
 
 @triton.jit
-def _headers_differ(base, stride, me, world, head_len, BLOCK: tl.constexpr):
+def _headers_differ(anchor, base, stride, me, world, head_len, WP: tl.constexpr, HB: tl.constexpr):
     """The first rank whose header bytes (rank r's chunk at ``base + r * stride``) differ from
-    this rank's, -1 if none. Every rank's header is loaded at once (independent loads)."""
-    found = -1
-    mine_at = (base + me * stride).to(tl.pointer_type(tl.uint8))
-    for r in range(world):
-        theirs_at = (base + r * stride).to(tl.pointer_type(tl.uint8))
-        for h in range(0, head_len, BLOCK):
-            o = h + tl.arange(0, BLOCK)
-            m = o < head_len
-            differ = tl.load(theirs_at + o, mask=m, other=0) != tl.load(mine_at + o, mask=m, other=0)
-            if (found < 0) & (_largest(differ.to(tl.int32), axis=0) > 0):
-                found = r
-    return found
+    this rank's, -1 if none. Every rank's header is loaded at once: ``[WP, HB]`` independent byte
+    loads (WP >= world; one round for a header of at most HB bytes)."""
+    a = anchor.to(tl.int64)
+    bytes_ = anchor.to(tl.pointer_type(tl.uint8), bitcast=True)
+    r = tl.arange(0, WP)
+    found = tl.full([], WP, tl.int32)
+    for h in range(0, head_len, HB):
+        o = h + tl.arange(0, HB)
+        m = o < head_len
+        mine = tl.load(bytes_ + (base + me * stride - a) + o, mask=m, other=0)
+        at = (base - a) + r.to(tl.int64)[:, None] * stride + o[None, :]
+        theirs = tl.load(bytes_ + at, mask=(r < world)[:, None] & m[None, :], other=0)
+        differ = _largest((theirs != mine[None, :]).to(tl.int32), axis=1)
+        found = tl.minimum(found, _smallest(tl.where((differ > 0) & (r < world), r, WP), axis=0))
+    return tl.where(found < WP, found, -1)
 
 
 @triton.jit
@@ -332,8 +346,9 @@ def _zero_rows(table, num_entries, anchor, segment, slot, rows, ENTRY: tl.conste
 
 @triton.jit
 def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdict, table, num_entries, status,
-                 me, world, head_len, conflicts, chunks_per_rank,
-                 ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                 me, world, head_len, conflicts, chunks_per_rank, sync_label,
+                 ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WP: tl.constexpr,
+                 HB: tl.constexpr):
     """After an exchange, on every rank: headers equal, one owner per slot.
 
     Rank r's chunk (header, then segments) lies at ``anchor + base_offset + r * stride`` (the
@@ -351,11 +366,11 @@ def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdi
     seg = segs + 5 * j
     n = tl.load(seg).to(tl.int32)
     base = anchor.to(tl.int64) + base_offset + (tl.load(counters) % 2) * half
-    differs = _headers_differ(base, stride, me, world, head_len, BLOCK_H)
+    differs = _headers_differ(anchor, base, stride, me, world, head_len, WP, HB)
     if (j == 0) & (q == 0):
         tl.store(verdict, (differs >= 0).to(tl.int32))
         if differs >= 0:
-            tl.store(status + S_HEADER, differs + 1)
+            _report_header(status, differs, sync_label)
     mi = i < n
     flag_at = flags + tl.load(seg + 2) + r * n + i
     if differs >= 0:
@@ -366,11 +381,24 @@ def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdi
         slots_at = base + tl.load(seg + 3)
         slot, hit = _conflicting_rows(anchor, slots_at, tl.load(seg + 4), r, world, stride, n, i, mi, BLOCK_K)
         tl.store(flag_at, hit.to(tl.uint8), mask=mi)
-        if _largest(hit, axis=0) > 0:
-            tl.store(status + S_CONFLICT_SLOT, _largest(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
-            tl.store(status + S_CONFLICT_RANK, r)
-            tl.store(status + S_CONFLICT, tl.load(seg + 1) + 1)
-            _zero_rows(table, num_entries, anchor, j, slot, hit > 0, ENTRY, 64)
+        _settle_conflicts(table, num_entries, anchor, status, seg, j, r, slot, hit, ENTRY)
+
+
+@triton.jit
+def _report_header(status, differs, sync_label):
+    tl.store(status + S_HEADER_LABEL, sync_label + 1)
+    tl.store(status + S_HEADER, differs + 1)
+
+
+@triton.jit
+def _settle_conflicts(table, num_entries, anchor, status, seg, j, r, slot, hit, ENTRY: tl.constexpr):
+    """Rows of rank ``r`` (at ``slot``) that another rank wrote too (``hit``): reported, and zeroed
+    in this rank's caches (every rank does the same)."""
+    if _largest(hit, axis=0) > 0:
+        tl.store(status + S_CONFLICT_SLOT, _largest(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
+        tl.store(status + S_CONFLICT_RANK, r)
+        tl.store(status + S_CONFLICT, tl.load(seg + 1) + 1)
+        _zero_rows(table, num_entries, anchor, j, slot, hit > 0, ENTRY, 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,36 +407,44 @@ def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdi
 
 
 @triton.jit
-def _scatter_tile(entry, first, buf, anchor, flags, status, W: tl.constexpr, BLOCK: tl.constexpr):
+def _scatter_tile(entry, first, buf, anchor, flags, status, W: tl.constexpr, BLOCK: tl.constexpr,
+                  SLOTS8: tl.constexpr, FLAGS: tl.constexpr):
     row, col, live = _words(entry, first, BLOCK)
     slot_addr = buf.to(tl.int64) + tl.load(entry + F_SLOT) + row.to(tl.int64) * 8
-    slot = _slot_at(anchor, slot_addr, live, tl.load(entry + F_ARG))
+    if SLOTS8:  # every entry's slots 8-aligned: one int64 load a word
+        slots = anchor.to(tl.pointer_type(tl.int64), bitcast=True)
+        slot = tl.load(slots + (slot_addr - anchor.to(tl.int64)) // 8, mask=live, other=-1)
+    else:
+        slot = _slot_at(anchor, slot_addr, live, tl.load(entry + F_ARG))
     valid, safe = _checked_slots(entry, slot, live, status, tl.load(entry + F_RANK))
-    flag_at = tl.load(entry + F_CHECK)
-    skip = tl.load(flags + flag_at + row, mask=live & (flag_at >= 0), other=0) != 0
     src = buf.to(tl.int64) + tl.load(entry + F_BUF) + row.to(tl.int64) * tl.load(entry + F_BPR) + col * W
-    apply = valid & ~skip
+    apply = valid
+    if FLAGS:
+        flag_at = tl.load(entry + F_CHECK)
+        apply = valid & (tl.load(flags + flag_at + row, mask=live & (flag_at >= 0), other=0) == 0)
     _move(anchor, src, _cache_address(entry, safe, col, W), apply, apply, W)
 
 
 @triton.jit
-def scatter_kernel(buf, table, tiles, flags, status, ENTRY: tl.constexpr, BLOCK: tl.constexpr):
+def scatter_kernel(buf, table, tiles, flags, status, ENTRY: tl.constexpr, BLOCK: tl.constexpr,
+                   SLOTS8: tl.constexpr, FLAGS: tl.constexpr):
     """Program t: tile ``tiles[t] = (entry, first word)`` of rows another rank sent; rows whose
-    check flag is set (two owners: zeroed by ``check_kernel``; headers differ) are skipped."""
+    check flag is set (two owners: zeroed by ``check_kernel``; headers differ) are skipped.
+    ``SLOTS8``: every entry's slots are 8-aligned in ``buf``; ``FLAGS``: the entries have flags."""
     t = tl.program_id(0)
     entry = table + tl.load(tiles + 2 * t) * ENTRY
     first = tl.load(tiles + 2 * t + 1)
     width = tl.load(entry + F_WIDTH)
     if width == 16:
-        _scatter_tile(entry, first, buf, table, flags, status, 16, BLOCK)
+        _scatter_tile(entry, first, buf, table, flags, status, 16, BLOCK, SLOTS8, FLAGS)
     elif width == 8:
-        _scatter_tile(entry, first, buf, table, flags, status, 8, BLOCK)
+        _scatter_tile(entry, first, buf, table, flags, status, 8, BLOCK, SLOTS8, FLAGS)
     elif width == 4:
-        _scatter_tile(entry, first, buf, table, flags, status, 4, BLOCK)
+        _scatter_tile(entry, first, buf, table, flags, status, 4, BLOCK, SLOTS8, FLAGS)
     elif width == 2:
-        _scatter_tile(entry, first, buf, table, flags, status, 2, BLOCK)
+        _scatter_tile(entry, first, buf, table, flags, status, 2, BLOCK, SLOTS8, FLAGS)
     else:
-        _scatter_tile(entry, first, buf, table, flags, status, 1, BLOCK)
+        _scatter_tile(entry, first, buf, table, flags, status, 1, BLOCK, SLOTS8, FLAGS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,38 +542,91 @@ def _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, U
 
 
 @triton.jit
+def _any_conflict(anchor, slots_at, align, stride, world, n, NP: tl.constexpr, CN: tl.constexpr):
+    """1 when two ranks hold the same slot (>= 0) among the ``n <= NP`` slots of a segment (rank
+    r's at ``slots_at + r * stride``): per pair of ranks, ``[CN, NP]`` compares, the chunks
+    unrolled so that their loads are issued together."""
+    k = tl.arange(0, NP)
+    hit = tl.full([CN], 0, tl.int32)
+    for r in range(world):
+        for q in range(r + 1, world):
+            theirs = _slot_at(anchor, slots_at + q * stride + 8 * k.to(tl.int64), k < n, align)
+            for c in tl.static_range(NP // CN):
+                i = c * CN + tl.arange(0, CN)
+                mine = _slot_at(anchor, slots_at + r * stride + 8 * i.to(tl.int64), i < n, align)
+                eq = (mine[:, None] == theirs[None, :]) & (mine[:, None] >= 0)
+                hit = hit | _largest(eq.to(tl.int32), axis=1)
+    return _largest(hit, axis=0)
+
+
+@triton.jit
+def _check_mailbox(table, num_entries, base, stride, segs, num_segs, status, me, world, head_len, conflicts,
+                   sync_label, ENTRY: tl.constexpr, WP: tl.constexpr, HB: tl.constexpr, NP: tl.constexpr,
+                   CN: tl.constexpr):
+    """``check_kernel``'s checks in the program that passed the barrier (every segment of at most
+    NP rows per rank): headers, then, when they agree, one owner per slot; rows in conflict are
+    reported and zeroed in this rank's caches, as ``check_kernel`` does."""
+    differs = _headers_differ(table, base, stride, me, world, head_len, WP, HB)
+    if differs >= 0:
+        _report_header(status, differs, sync_label)
+    elif conflicts != 0:
+        for j in range(num_segs):
+            seg = segs + 5 * j
+            n = tl.load(seg).to(tl.int32)
+            slots_at = base + tl.load(seg + 3)
+            align = tl.load(seg + 4)
+            if _any_conflict(table, slots_at, align, stride, world, n, NP, CN) > 0:  # rare: row by row
+                for r in range(world):
+                    for i0 in range(0, n, CN):
+                        i = i0 + tl.arange(0, CN)
+                        slot, hit = _conflicting_rows(table, slots_at, align, r, world, stride, n, i, i < n, CN)
+                        _settle_conflicts(table, num_entries, table, status, seg, j, r, slot, hit, ENTRY)
+
+
+@triton.jit
 def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_deltas, counters, status,
-                me, world, capacity, limit, ENTRY: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr):
+                me, world, capacity, limit, stages, segs, num_segs, num_entries, head_len, conflicts, sync_label,
+                ENTRY: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr, CHECK: tl.constexpr,
+                WP: tl.constexpr, HB: tl.constexpr, NP: tl.constexpr, CN: tl.constexpr):
     """Program t stores tile ``tiles[t]`` into every peer; the last program to finish raises the
-    epoch flag in every peer's mailbox and waits for theirs (``check_kernel`` then checks).
+    epoch flag in every peer's mailbox, waits for theirs and, with ``CHECK``, checks every rank's
+    header and slots in this rank's mailbox (:func:`_check_mailbox`): one launch per sync.
 
     ``counters``: [epoch, programs arrived] in this rank's memory. The epoch of this call is
     ``counters[0] + 1`` for every program: only the last program advances it, after all arrived.
     Mailbox chunks alternate between two halves by epoch parity, so a peer one sync ahead never
-    overwrites a chunk this rank still reads.
+    overwrites a chunk this rank still reads. ``stages``: 1 the stores, 2 the barrier and checks,
+    3 both (a simulation of several ranks in one process runs them apart).
     """
     t = tl.program_id(0)
     entry = table + tl.load(tiles + 2 * t) * ENTRY
     first = tl.load(tiles + 2 * t + 1)
     epoch = tl.load(counters) + 1
-    chunk_addr = mailbox.to(tl.int64) + MAILBOX_FLAGS + ((epoch % 2) * world + me) * capacity
+    chunks = mailbox.to(tl.int64) + MAILBOX_FLAGS + (epoch % 2) * world * capacity
+    chunk_addr = chunks + me * capacity
     width = tl.load(entry + F_WIDTH)
-    if width == 16:
-        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 16, BLOCK)
-    elif width == 8:
-        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 8, BLOCK)
-    elif width == 4:
-        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 4, BLOCK)
-    elif width == 2:
-        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 2, BLOCK)
-    else:
-        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 1, BLOCK)
+    if stages % 2 == 1:
+        if width == 16:
+            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 16, BLOCK)
+        elif width == 8:
+            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 8, BLOCK)
+        elif width == 4:
+            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 4, BLOCK)
+        elif width == 2:
+            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 2, BLOCK)
+        else:
+            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 1, BLOCK)
     tl.debug_barrier()
     done = tl.atomic_add(counters + 1, 1, sem="acq_rel", scope="sys")
     if done == tl.num_programs(0) - 1:
         tl.store(counters + 1, 0)
-        tl.store(counters, epoch)
-        _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, USE_TIMER)
+        if stages >= 2:
+            tl.store(counters, epoch)
+            arrived = _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, USE_TIMER)
+            if CHECK:
+                if arrived != 0:
+                    _check_mailbox(table, num_entries, chunks, capacity, segs, num_segs, status, me, world,
+                                   head_len, conflicts, sync_label, ENTRY, WP, HB, NP, CN)
 
 
 # ---------------------------------------------------------------------------------------------
