@@ -13,7 +13,7 @@ Launches, one each whatever the number of caches:
 * :func:`check_inputs`: slot-mapping inputs in range;
 * :func:`store_rows`: dense source rows into one cache at slots (the cache-write ops' store).
 
-Work is cut into tiles of :data:`BLOCK` words (:mod:`pcppass.kernels.row_kernels_triton`): a
+Work is cut into tiles of ``block`` words (:data:`TILE_SHAPES`) (:mod:`pcppass.kernels.row_kernels_triton`): a
 word is the widest of 16, 8, 4, 2, 1 bytes that every address of a table entry allows, so rows of
 DeepSeek's 656-byte MLA cache move as 16-byte vectors, many rows per program.
 
@@ -57,9 +57,16 @@ MAX_SEGMENTS = 4
 MAX_ARGS = 8
 #: ranks a peer-store table holds a replica distance for (and the check kernels compare)
 MAX_WORLD = 8
-#: words per tile (one program), warps per program of the tile kernels
-BLOCK = 512
-NUM_WARPS = 4
+@dataclass(frozen=True)
+class TileShape:
+    """Words per tile (one program) and warps per program of a tile kernel."""
+
+    block: int = 512
+    warps: int = 4
+
+
+#: tile shape of each table kind (the first element of a table's key: "pack", "scatter", "peer")
+TILE_SHAPES: dict[str, TileShape] = {"pack": TileShape(), "scatter": TileShape(), "peer": TileShape()}
 #: rows of one rank one program of check_kernel compares (against CHECK_ROWS of another at a
 #: time: a larger tile spills registers, ptxas -v: 64x256 took 255 registers + 3.3 KB of spills)
 CHECK_ROWS = 32
@@ -214,12 +221,13 @@ class TileTable:
     num_entries: int
     num_tiles: int
     extra: dict
+    shape: TileShape = TileShape()
 
 
-def _tiles(entries: list[list[int]]) -> list[int]:
+def _tiles(entries: list[list[int]], block: int) -> list[int]:
     out: list[int] = []
     for i, e in enumerate(entries):
-        for first in range(0, e[2] * e[10], BLOCK):
+        for first in range(0, e[2] * e[10], block):
             out += [i, first]
     return out
 
@@ -230,16 +238,18 @@ _TABLES: dict[tuple, TileTable] = {}
 
 def tile_table(key: tuple, device: torch.device, build: Callable[[], tuple[list[list[int]], dict]]) -> TileTable:
     """The cached table of ``key`` (``build() -> (entries, extra)`` runs on a miss; tensors in
-    ``extra`` are moved to ``device``)."""
+    ``extra`` are moved to ``device``), cut into tiles of ``TILE_SHAPES[key[0]]``."""
+    shape = TILE_SHAPES.get(key[0], TileShape())
+    key = (*key, shape)
     found = _TABLES.get(key)
     if found is None:
         entries, extra = build()
-        tiles = _tiles(entries)
+        tiles = _tiles(entries, shape.block)
         flat = [x for e in entries for x in e] or [0] * TILE_FIELDS
         table = torch.tensor(flat, dtype=torch.int64).to(device)
         extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
         found = _TABLES[key] = TileTable(table, torch.tensor(tiles or [0, 0], dtype=torch.int64).to(device),
-                                         len(entries), len(tiles) // 2, extra)
+                                         len(entries), len(tiles) // 2, extra, shape)
     return found
 
 
@@ -310,7 +320,8 @@ def pack(out: torch.Tensor, tiles: TileTable, args: list[torch.Tensor], me: int)
     """Run a pack table (header, rows, payloads) into ``out``."""
     kernels().pack_kernel[(tiles.num_tiles,)](out, tiles.table, tiles.tiles, *args,
                                               device_checks.status(out.device), me,
-                                              ENTRY=TILE_FIELDS, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                              ENTRY=TILE_FIELDS, BLOCK=tiles.shape.block,
+                                              num_warps=tiles.shape.warps)
 
 
 @dataclass(frozen=True)
@@ -372,9 +383,10 @@ def scatter(buf: torch.Tensor, tiles: TileTable) -> None:
         flags = tiles.extra.get("flags", buf)
         kernels().scatter_kernel[(tiles.num_tiles,)](buf, tiles.table, tiles.tiles, flags,
                                                      device_checks.status(buf.device), ENTRY=TILE_FIELDS,
-                                                     BLOCK=BLOCK, SLOTS8=bool(tiles.extra.get("slots8", False)),
+                                                     BLOCK=tiles.shape.block,
+                                                     SLOTS8=bool(tiles.extra.get("slots8", False)),
                                                      FLAGS=bool(tiles.extra.get("checked", True)),
-                                                     num_warps=NUM_WARPS)
+                                                     num_warps=tiles.shape.warps)
 
 
 def scatter_extra(entries: Sequence[Sequence[int]]) -> dict:
@@ -417,7 +429,8 @@ def peer_store(tiles: TileTable, args: list[torch.Tensor], mailbox: torch.Tensor
         tiles.table, tiles.tiles, *args, mailbox, mailbox_deltas, counters, device_checks.status(mailbox.device),
         me, world, capacity, limit, stages, segs, segs.shape[0], tiles.num_entries,
         checks.head_len if checks else 0, int(bool(checks and checks.conflicts)), checks.sync_label if checks else -1,
-        ENTRY=TILE_FIELDS, BLOCK=BLOCK, USE_TIMER=not _interpreting(), CHECK=checks is not None, num_warps=NUM_WARPS,
+        ENTRY=TILE_FIELDS, BLOCK=tiles.shape.block, USE_TIMER=not _interpreting(), CHECK=checks is not None,
+        num_warps=tiles.shape.warps,
         **_header_tile(world, checks.head_len if checks else 1), NP=rows, CN=max(1, min(rows, 2048 // rows)))
 
 
