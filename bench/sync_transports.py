@@ -181,6 +181,14 @@ class Layers:
             write_rows(cache, own, torch.randint(0, 256, (own.numel(), lay.bytes_per_row), dtype=torch.uint8,
                                                  device="cuda", generator=gen), lay)
 
+    def every_rank_rows(self) -> list[torch.Tensor]:
+        """Per cache, the rows at every rank's slots (the bytes a sync moves), on the device."""
+        from pcppass.kernels.rows import read_rows
+
+        slots = torch.cat([(1 + r * self.rows + torch.arange(self.rows - 1, device="cuda")) * BLOCK + 3
+                           for r in range(self.world)])
+        return [read_rows(c, slots, self.mla_layout if c.dim() == 3 else self.idx_layout) for c in self.caches()]
+
     def digest(self) -> str:
         h = hashlib.sha256()
         for c in self.caches():
@@ -327,8 +335,11 @@ def _kernel_rates(rows: int, rank: int, world: int, cfg: Config, group: str) -> 
 
 def _sweep(rank: int, world: int, cfg: Config, group: str) -> list[dict]:
     """Pack, checked scatter and peer stores (checks on) per tile shape ``BLOCKxWARPS``, at each
-    of ``cfg.kernel_rows``; the shapes in force are restored after."""
+    of ``cfg.kernel_rows``; the shapes in force are restored after. Each shape must leave the
+    bytes the first one left (packed buffer, every cache), replicas equal, the status clean."""
+    from pcppass.bench.inputs import caches_equal_across_ranks
     from pcppass.kernels import row_kernels
+    from pcppass.runtime import device_checks
 
     ops = torch.ops.pcppass
     saved = dict(row_kernels.TILE_SHAPES)
@@ -347,6 +358,7 @@ def _sweep(rank: int, world: int, cfg: Config, group: str) -> list[dict]:
                                                          layouts, group, sites, True),
             "peer": peer_sync(layers, group, True),
         }
+        reference = None
         for spec in cfg.sweep:
             block, warps = (int(x) for x in spec.split("x"))
             shape = row_kernels.TileShape(block, warps)
@@ -356,6 +368,16 @@ def _sweep(rank: int, world: int, cfg: Config, group: str) -> list[dict]:
                 fn()
                 torch.cuda.synchronize()
                 entry[name] = graph_us(fn, cfg.reps)["us"]
+            # every variant is idempotent on these caches: each shape must leave the same bytes
+            dist.barrier()
+            state = [fns["pack"](), *layers.every_rank_rows()]
+            reference = reference or state
+            equal = caches_equal_across_ranks({str(i): c for i, c in enumerate(layers.caches())})
+            error = device_checks.pending("cuda")
+            entry["same_bytes_as_first_shape"] = all(torch.equal(a, b) for a, b in zip(state, reference))
+            entry["replicas_equal"] = all(equal.values())
+            entry["device_status"] = str(error) if error else "clean"
+            dist.barrier()
             out.append(entry)
             if rank == 0:
                 print(f"[sweep] {entry}", flush=True)
@@ -471,10 +493,12 @@ def markdown(result: dict, baseline: dict | None, previous: dict | None = None) 
         lines += _previous_tables(result, previous)
     if result.get("sweep"):
         lines += ["", "Tile shapes (words per program × warps), µs (graph replay, slowest rank):", "",
-                  "| rows/rank | block × warps | pack | checked scatter | peer stores (checks on) |", "|---|---|---|---|---|"]
+                  "| rows/rank | block × warps | pack | checked scatter | peer stores (checks on) | same bytes, "
+                  "replicas equal, status |", "|---|---|---|---|---|---|"]
         for e in result["sweep"]:
             lines.append(f"| {e['rows']} | {e['block']} × {e['warps']} | {e['pack']:.1f} | {e['scatter']:.1f} | "
-                         f"{e['peer']:.1f} |")
+                         f"{e['peer']:.1f} | {e['same_bytes_as_first_shape']}, {e['replicas_equal']}, "
+                         f"{e['device_status']} |")
     for name, m in result.get("models", {}).items():
         lines += ["", f"## {name}: 2-layer full-width decode step, ms (CUDA-graph replay, slowest rank)", "",
                   f"transports chosen: {m['transports']}; replicas equal after a replay: "
