@@ -145,6 +145,22 @@ def test_conflict_in_one_segment_leaves_the_other_segment_applied(check_launch):
         device_checks.raise_pending("cpu")
 
 
+def test_conflict_found_past_the_first_chunk_of_rows(check_launch):
+    """38 rows per rank (mostly padding): the fused check compares them 16 at a time; the slot
+    both ranks hold is rank 0's row 36."""
+    pad = torch.full((36,), -1)
+    slots = [torch.cat([pad, torch.tensor([5, 2])]), torch.cat([torch.tensor([11, 5]), pad])]
+    other = [torch.cat([pad, torch.tensor([1, 7])]), torch.cat([torch.tensor([3, 20]), pad])]
+    ranks = make_ranks(2, slots, other)
+    sync_all(ranks, slots, other)
+    assert_replicas_equal(ranks)
+    for i in range(3):
+        assert not read_rows(ranks[0]["caches"][i], torch.tensor([5]), LAYOUTS[i]).any()
+    assert read_rows(ranks[0]["caches"][3], torch.tensor([20]), LAYOUTS[3]).any()  # rank 1's row arrived
+    with pytest.raises(PcpSyncError, match=r"site\d writing cache\d: slot 5 was written"):
+        device_checks.raise_pending("cpu")
+
+
 def test_out_of_range_slot_is_dropped_and_reported(check_launch):
     slots = [torch.tensor([3, -1, 9, 1000]), torch.tensor([17, 5, -1, 22])]
     other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]

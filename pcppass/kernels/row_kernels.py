@@ -372,7 +372,8 @@ def check_tables(segments: Sequence[tuple[int, int, int, int]], world: int) -> d
         at += world * n
     return {"segs": torch.tensor(rows or [[0, 0, 0, 0, 8]], dtype=torch.int64),
             "flags": torch.zeros(max(at, 1), dtype=torch.uint8), "verdict": torch.zeros(1, dtype=torch.int32),
-            "max_rows": max((n for n, _, _, _ in segments), default=0)}
+            "max_rows": max((n for n, _, _, _ in segments), default=0),
+            "segment_slots8": all(align % 8 == 0 for _, _, _, align in segments)}
 
 
 def scatter(buf: torch.Tensor, tiles: TileTable) -> None:
@@ -431,7 +432,8 @@ def peer_store(tiles: TileTable, args: list[torch.Tensor], mailbox: torch.Tensor
         checks.head_len if checks else 0, int(bool(checks and checks.conflicts)), checks.sync_label if checks else -1,
         ENTRY=TILE_FIELDS, BLOCK=tiles.shape.block, USE_TIMER=not _interpreting(), CHECK=checks is not None,
         num_warps=tiles.shape.warps,
-        **_header_tile(world, checks.head_len if checks else 1), NP=rows, CN=max(1, min(rows, 2048 // rows)))
+        **_header_tile(world, checks.head_len if checks else 1), NP=rows, CN=rows if rows <= 32 else 16,
+        SLOTS8=bool(checks and tiles.extra["segment_slots8"]))
 
 
 #: (device, checks) -> device table of input_kernel

@@ -542,18 +542,33 @@ def _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, U
 
 
 @triton.jit
-def _any_conflict(anchor, slots_at, align, stride, world, n, NP: tl.constexpr, CN: tl.constexpr):
+def _rank_slots(anchor, at, i, n, align, SLOTS8: tl.constexpr):
+    """Slots ``i`` (< n; -1 elsewhere) of the int64 slots at byte address ``at``: one int64 load
+    each, by a 32-bit index, when ``SLOTS8`` (``at`` 8-aligned), else ``_slot_at``."""
+    if SLOTS8:
+        first = anchor.to(tl.pointer_type(tl.int64), bitcast=True) + (at - anchor.to(tl.int64)) // 8
+        return tl.load(first + i, mask=i < n, other=-1)
+    else:
+        return _slot_at(anchor, at + 8 * i.to(tl.int64), i < n, align)
+
+
+@triton.jit
+def _any_conflict(anchor, slots_at, align, stride, world, n, NP: tl.constexpr, CN: tl.constexpr,
+                  SLOTS8: tl.constexpr):
     """1 when two ranks hold the same slot (>= 0) among the ``n <= NP`` slots of a segment (rank
-    r's at ``slots_at + r * stride``): per pair of ranks, ``[CN, NP]`` compares, the chunks
-    unrolled so that their loads are issued together."""
+    r's at ``slots_at + r * stride``), or when a slot is below -1 (out of range: the caller then
+    goes row by row). Per pair of ranks, ``[CN, NP]`` compares in a loop (a wider tile, or an
+    unrolled loop, takes twice the registers of the store tiles of the same kernel); rank r's
+    slots are loaded whole first, so the chunks the loop loads come from L1."""
     k = tl.arange(0, NP)
     hit = tl.full([CN], 0, tl.int32)
     for r in range(world):
         for q in range(r + 1, world):
-            theirs = _slot_at(anchor, slots_at + q * stride + 8 * k.to(tl.int64), k < n, align)
-            for c in tl.static_range(NP // CN):
-                i = c * CN + tl.arange(0, CN)
-                mine = _slot_at(anchor, slots_at + r * stride + 8 * i.to(tl.int64), i < n, align)
+            theirs = _rank_slots(anchor, slots_at + q * stride, k, n, align, SLOTS8)
+            mine_all = _rank_slots(anchor, slots_at + r * stride, k, n, align, SLOTS8)
+            hit = hit | (_smallest(tl.minimum(mine_all, theirs), axis=0) < -1).to(tl.int32)
+            for c0 in range(0, n, CN):
+                mine = _rank_slots(anchor, slots_at + r * stride, c0 + tl.arange(0, CN), n, align, SLOTS8)
                 eq = (mine[:, None] == theirs[None, :]) & (mine[:, None] >= 0)
                 hit = hit | _largest(eq.to(tl.int32), axis=1)
     return _largest(hit, axis=0)
@@ -562,7 +577,7 @@ def _any_conflict(anchor, slots_at, align, stride, world, n, NP: tl.constexpr, C
 @triton.jit
 def _check_mailbox(table, num_entries, base, stride, segs, num_segs, status, me, world, head_len, conflicts,
                    sync_label, ENTRY: tl.constexpr, WP: tl.constexpr, HB: tl.constexpr, NP: tl.constexpr,
-                   CN: tl.constexpr):
+                   CN: tl.constexpr, SLOTS8: tl.constexpr):
     """``check_kernel``'s checks in the program that passed the barrier (every segment of at most
     NP rows per rank): headers, then, when they agree, one owner per slot; rows in conflict are
     reported and zeroed in this rank's caches, as ``check_kernel`` does."""
@@ -575,7 +590,7 @@ def _check_mailbox(table, num_entries, base, stride, segs, num_segs, status, me,
             n = tl.load(seg).to(tl.int32)
             slots_at = base + tl.load(seg + 3)
             align = tl.load(seg + 4)
-            if _any_conflict(table, slots_at, align, stride, world, n, NP, CN) > 0:  # rare: row by row
+            if _any_conflict(table, slots_at, align, stride, world, n, NP, CN, SLOTS8) > 0:  # rare: row by row
                 for r in range(world):
                     for i0 in range(0, n, CN):
                         i = i0 + tl.arange(0, CN)
@@ -587,7 +602,7 @@ def _check_mailbox(table, num_entries, base, stride, segs, num_segs, status, me,
 def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_deltas, counters, status,
                 me, world, capacity, limit, stages, segs, num_segs, num_entries, head_len, conflicts, sync_label,
                 ENTRY: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr, CHECK: tl.constexpr,
-                WP: tl.constexpr, HB: tl.constexpr, NP: tl.constexpr, CN: tl.constexpr):
+                WP: tl.constexpr, HB: tl.constexpr, NP: tl.constexpr, CN: tl.constexpr, SLOTS8: tl.constexpr):
     """Program t stores tile ``tiles[t]`` into every peer; the last program to finish raises the
     epoch flag in every peer's mailbox, waits for theirs and, with ``CHECK``, checks every rank's
     header and slots in this rank's mailbox (:func:`_check_mailbox`): one launch per sync.
@@ -626,7 +641,7 @@ def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_d
             if CHECK:
                 if arrived != 0:
                     _check_mailbox(table, num_entries, chunks, capacity, segs, num_segs, status, me, world,
-                                   head_len, conflicts, sync_label, ENTRY, WP, HB, NP, CN)
+                                   head_len, conflicts, sync_label, ENTRY, WP, HB, NP, CN, SLOTS8)
 
 
 # ---------------------------------------------------------------------------------------------
