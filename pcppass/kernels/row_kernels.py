@@ -217,19 +217,16 @@ def bytes_entry(*, kind: int, nbytes: int, buf: int, source: int = 0, offset: in
 @dataclass
 class TileTable:
     table: torch.Tensor  # [entries, TILE_FIELDS] int64
-    tiles: torch.Tensor  # [tiles, 2] int64: (entry, first word)
+    tiles: torch.Tensor  # [tiles, TILE_FIELDS + 1] int64: (its entry's fields..., first word)
     num_entries: int
     num_tiles: int
     extra: dict
     shape: TileShape = TileShape()
 
 
-def _tiles(entries: list[list[int]], block: int) -> list[int]:
-    out: list[int] = []
-    for i, e in enumerate(entries):
-        for first in range(0, e[2] * e[10], block):
-            out += [i, first]
-    return out
+def _tiles(entries: list[list[int]], block: int) -> list[list[int]]:
+    """One row per tile: a copy of its entry, then its first word."""
+    return [[*e, first] for e in entries for first in range(0, e[2] * e[10], block)]
 
 
 #: configuration key -> tile table on a device
@@ -248,8 +245,9 @@ def tile_table(key: tuple, device: torch.device, build: Callable[[], tuple[list[
         flat = [x for e in entries for x in e] or [0] * TILE_FIELDS
         table = torch.tensor(flat, dtype=torch.int64).to(device)
         extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
-        found = _TABLES[key] = TileTable(table, torch.tensor(tiles or [0, 0], dtype=torch.int64).to(device),
-                                         len(entries), len(tiles) // 2, extra, shape)
+        found = _TABLES[key] = TileTable(table, torch.tensor(tiles or [[0] * (TILE_FIELDS + 1)],
+                                                             dtype=torch.int64).to(device),
+                                         len(entries), len(tiles), extra, shape)
     return found
 
 

@@ -2,7 +2,8 @@
 Triton mode: ``triton.jit`` decides between compiling and interpreting when it decorates).
 
 Tile kernels (``pack_kernel``, ``scatter_kernel``, ``peer_kernel``) run one program per tile: a
-range of ``BLOCK`` words of one table entry, a word being ``width`` bytes (16, 8, 4, 2 or 1: the
+range of ``BLOCK`` words of one table entry (each tile row holds a copy of its entry, then its
+first word: one load round before the addresses, not two), a word being ``width`` bytes (16, 8, 4, 2 or 1: the
 widest that every address of the entry allows, chosen on the host). A word ``w`` of an entry is
 byte ``(w % wpr) * width`` of row ``w // wpr``, so one program moves many rows, and a 16-byte word
 is one vector load and one vector store per lane. Every address is taken relative to an aligned
@@ -267,10 +268,10 @@ def _pack_tile(entry, first, out, anchor, x0, x1, x2, x3, x4, x5, x6, x7, status
 @triton.jit
 def pack_kernel(out, table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, status, me,
                 ENTRY: tl.constexpr, BLOCK: tl.constexpr):
-    """Program t: tile ``tiles[t] = (entry, first word)``; padding rows (slot -1) pack zeros."""
+    """Program t: tile ``tiles[t] = (entry..., first word)``; padding rows (slot -1) pack zeros."""
     t = tl.program_id(0)
-    entry = table + tl.load(tiles + 2 * t) * ENTRY
-    first = tl.load(tiles + 2 * t + 1)
+    entry = tiles + t * (ENTRY + 1)  # the tile's copy of its entry, then its first word
+    first = tl.load(entry + ENTRY)
     width = tl.load(entry + F_WIDTH)
     if width == 16:
         _pack_tile(entry, first, out, table, x0, x1, x2, x3, x4, x5, x6, x7, status, me, 16, BLOCK)
@@ -428,12 +429,12 @@ def _scatter_tile(entry, first, buf, anchor, flags, status, W: tl.constexpr, BLO
 @triton.jit
 def scatter_kernel(buf, table, tiles, flags, status, ENTRY: tl.constexpr, BLOCK: tl.constexpr,
                    SLOTS8: tl.constexpr, FLAGS: tl.constexpr):
-    """Program t: tile ``tiles[t] = (entry, first word)`` of rows another rank sent; rows whose
+    """Program t: tile ``tiles[t] = (entry..., first word)`` of rows another rank sent; rows whose
     check flag is set (two owners: zeroed by ``check_kernel``; headers differ) are skipped.
     ``SLOTS8``: every entry's slots are 8-aligned in ``buf``; ``FLAGS``: the entries have flags."""
     t = tl.program_id(0)
-    entry = table + tl.load(tiles + 2 * t) * ENTRY
-    first = tl.load(tiles + 2 * t + 1)
+    entry = tiles + t * (ENTRY + 1)  # the tile's copy of its entry, then its first word
+    first = tl.load(entry + ENTRY)
     width = tl.load(entry + F_WIDTH)
     if width == 16:
         _scatter_tile(entry, first, buf, table, flags, status, 16, BLOCK, SLOTS8, FLAGS)
@@ -614,8 +615,8 @@ def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_d
     3 both (a simulation of several ranks in one process runs them apart).
     """
     t = tl.program_id(0)
-    entry = table + tl.load(tiles + 2 * t) * ENTRY
-    first = tl.load(tiles + 2 * t + 1)
+    entry = tiles + t * (ENTRY + 1)  # the tile's copy of its entry, then its first word
+    first = tl.load(entry + ENTRY)
     epoch = tl.load(counters) + 1
     chunks = mailbox.to(tl.int64) + MAILBOX_FLAGS + (epoch % 2) * world * capacity
     chunk_addr = chunks + me * capacity
