@@ -68,7 +68,8 @@ def test_headers_that_differ_apply_nothing(group_name, monkeypatch):
     for r in range(2):
         for got, want in zip(ranks[r]["caches"], before[r]):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    with pytest.raises(PcpSyncError, match=r"rank \d's sync header differs"):
+    with pytest.raises(PcpSyncError, match=r"all-gather sync of site0 writing cache0 and 3 more caches: rank \d's "
+                                           "sync header differs"):
         device_checks.raise_pending("cpu")
     # a re-run's slots read from that buffer are -1 for every rank: the re-run writes nothing
     monkeypatch.setattr(rows_cuda, "_group_rank", lambda _group: 0)
