@@ -284,7 +284,7 @@ def sync_rank(rank: int, world: int, cfg: Config) -> dict:
                 flush=True)
         del layers, variants
         torch.cuda.empty_cache()
-    for rows in cfg.kernel_rows:
+    for rows in cfg.kernel_rows if not cfg.sweep else ():  # a sweep times the same kernels per shape
         out["kernels"][str(rows)] = _kernel_rates(rows, rank, world, cfg, group)
     if cfg.sweep:
         out["sweep"] = _sweep(rank, world, cfg, group)
@@ -604,10 +604,11 @@ def main() -> None:
         result["previous"] = {k: previous.get(k) for k in ("environment", "rows", "kernels", "copy_bytes_per_s")}
     text = markdown(result, baseline, previous)
     stem.with_suffix(".md").write_text(text)
-    try:
-        plot(result, baseline, stem.with_suffix(".png"))
-    except ImportError:
-        pass
+    if result["rows"]:  # runs of the kernels, the sweep or the decode steps alone have no sync plot
+        try:
+            plot(result, baseline, stem.with_suffix(".png"))
+        except ImportError:
+            pass
     print(text)
 
 
