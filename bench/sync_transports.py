@@ -302,28 +302,34 @@ def _per_site(layers: Layers, group: str) -> Callable[[], None]:
     return run
 
 
-def _kernel_rates(rows: int, rank: int, world: int, cfg: Config, group: str) -> dict:
-    """``sync_pack`` and the checked scatter alone: bytes read + written per second."""
+def _pack_and_scatter(layers: Layers, group: str) -> tuple[dict[str, Callable[[], Any]], int]:
+    """``sync_pack`` and the checked ``sync_scatter_rows_all`` of an all-gather done once (both
+    idempotent on these caches), and the bytes one rank packs."""
     ops = torch.ops.pcppass
-    layers = Layers(cfg.layers, rows, rank, world)
     caches, cache_slots, layouts, payloads, slots_segments, sites = layers.sync_args()
     n = len(caches)
     packed = ops.sync_pack(FP, caches, cache_slots, layouts, payloads)
-    gathered = packed.new_empty(packed.numel() * world)
+    gathered = packed.new_empty(packed.numel() * layers.world)
     dist.all_gather_into_tensor(gathered, packed)
-    index = ops.sync_read_header(gathered, world, FP, n + len(payloads), True)
+    index = ops.sync_read_header(gathered, layers.world, FP, n + len(payloads), True)
+
+    def pack() -> torch.Tensor:
+        return ops.sync_pack(FP, caches, cache_slots, layouts, payloads)
 
     def scatter() -> None:
         ops.sync_scatter_rows_all(caches, gathered, index, list(range(n)), slots_segments, layouts, group, sites,
                                   True)
+    return {"pack": pack, "scatter": scatter}, packed.numel()
 
-    def pack() -> None:
-        ops.sync_pack(FP, caches, cache_slots, layouts, payloads)
 
+def _kernel_rates(rows: int, rank: int, world: int, cfg: Config, group: str) -> dict:
+    """``sync_pack`` and the checked scatter alone: bytes read + written per second."""
+    layers = Layers(cfg.layers, rows, rank, world)
+    fns, packed_bytes = _pack_and_scatter(layers, group)
     row_bytes = (rows - 1) * cfg.layers * (MLA_ROW + INDEXER_VALUES + INDEXER_SCALES)
-    moved = {"pack": row_bytes + packed.numel(), "scatter": 2 * (world - 1) * row_bytes}
+    moved = {"pack": row_bytes + packed_bytes, "scatter": 2 * (world - 1) * row_bytes}
     res = {"rows": rows, "bytes_moved": moved}
-    for name, fn in (("pack", pack), ("scatter", scatter)):
+    for name, fn in fns.items():
         fn()
         torch.cuda.synchronize()
         t = graph_us(fn, cfg.reps)
@@ -341,23 +347,11 @@ def _sweep(rank: int, world: int, cfg: Config, group: str) -> list[dict]:
     from pcppass.kernels import row_kernels
     from pcppass.runtime import device_checks
 
-    ops = torch.ops.pcppass
     saved = dict(row_kernels.TILE_SHAPES)
     out = []
     for rows in cfg.kernel_rows:
         layers = Layers(cfg.layers, rows, rank, world)
-        caches, cache_slots, layouts, payloads, slots_segments, sites = layers.sync_args()
-        n = len(caches)
-        packed = ops.sync_pack(FP, caches, cache_slots, layouts, payloads)
-        gathered = packed.new_empty(packed.numel() * world)
-        dist.all_gather_into_tensor(gathered, packed)
-        index = ops.sync_read_header(gathered, world, FP, n + len(payloads), True)
-        fns = {
-            "pack": lambda: ops.sync_pack(FP, caches, cache_slots, layouts, payloads),
-            "scatter": lambda: ops.sync_scatter_rows_all(caches, gathered, index, list(range(n)), slots_segments,
-                                                         layouts, group, sites, True),
-            "peer": peer_sync(layers, group, True),
-        }
+        fns = {**_pack_and_scatter(layers, group)[0], "peer": peer_sync(layers, group, True)}
         reference = None
         for spec in cfg.sweep:
             block, warps = (int(x) for x in spec.split("x"))
