@@ -239,3 +239,39 @@ def test_graph_break_detection_fails_closed(two_fake_ranks):
     with pytest.raises(PcpCoverageError, match="cannot tell whether this graph is the whole step"):
         PcpSyncPass().apply(copy.deepcopy(later))
     assert PcpSyncPass(whole_step=True).apply(later).mode == "sharded"
+
+
+def test_a_group_that_is_gone_is_never_read_as_one_rank():
+    """After the group it synchronised is aborted or destroyed (fail-stop, shutdown), the pass does
+    not take "no process group" for a single rank and leave the next step's writes unsynchronised:
+    it refuses, naming what happened. A pass that never saw a group stays single-rank."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pcppass.errors import PcpSyncError
+
+    def apply(sync_pass):
+        return _dynamo_graph(step, _inputs(), lambda gm: _result_or_error(sync_pass, gm))
+
+    sync_pass = PcpSyncPass(schedule="deferred")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        assert apply(sync_pass).mode == "sharded"
+        subgroup = dist.new_group([0, 1])
+        on_subgroup = PcpSyncPass(subgroup, schedule="deferred")
+        assert apply(on_subgroup).mode == "sharded"
+        dist.destroy_process_group(subgroup)
+        refused = apply(on_subgroup)
+        assert isinstance(refused, PcpSyncError) and "cannot be used" in str(refused), refused
+    finally:
+        dist.destroy_process_group()
+    refused = apply(sync_pass)
+    assert isinstance(refused, PcpSyncError), refused
+    assert "synchronised 2 ranks before, and now finds no process group" in str(refused)
+    assert apply(PcpSyncPass(schedule="deferred")).mode == "single_rank"
+
+
+def _result_or_error(sync_pass, gm):
+    try:
+        return sync_pass.apply(gm)
+    except Exception as exc:  # returned, so the test can tell it from Dynamo's wrapping
+        return exc

@@ -36,7 +36,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from pcppass.analysis import StateWrite, find_state_writes
 from pcppass.checks import SyncChecks
-from pcppass.errors import PcpCoverageError, PcpGraphStageError
+from pcppass.errors import PcpCoverageError, PcpGraphStageError, PcpSyncError
 from pcppass.registry import all_patterns
 from pcppass.rewrite.insert import (
     SCHEDULES, AllGatherTransport, Schedule, SyncRewrite, TransportFactory, insert_sync,
@@ -87,6 +87,13 @@ def _source_hash(module_names: tuple[str, ...]) -> str:
     return digest.hexdigest()
 
 
+def _group_exists(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered (destroyed and aborted groups are dropped)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._world.pg_map.get(group) is not None
+
+
 class PcpSyncPass(CustomGraphPass):
     """The sync rewrite of one decode step's Dynamo graph (see the module docstring).
 
@@ -127,6 +134,9 @@ class PcpSyncPass(CustomGraphPass):
         self.transport = transport
         #: the result of the last :meth:`__call__` (Inductor discards the return value)
         self.last_result: SyncPassResult | None = None
+        #: the largest group this pass has synchronised: once it saw P > 1 ranks, a group that is
+        #: gone (aborted after a failure, destroyed) never reads as "one rank, nothing to sync"
+        self.largest_world = 1
 
     def __repr__(self) -> str:
         return f"PcpSyncPass({self.config_text()})"
@@ -168,6 +178,31 @@ class PcpSyncPass(CustomGraphPass):
             return self.group
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
+    def _group_and_world(self) -> tuple[dist.ProcessGroup | None, int]:
+        """The group to sync over and its size; raises where the group cannot be used.
+
+        No group at all (torch.distributed never initialised) is one rank. A group that existed
+        and is gone is not: a graph compiled after a fail-stop abort (or a destroyed group) would
+        otherwise run its rows unsynchronised while the engine still shards them."""
+        group = self.resolved_group()
+        try:
+            if group is not None and not _group_exists(group):
+                raise RuntimeError("the group is no longer registered with torch.distributed")
+            world = dist.get_world_size(group) if group is not None else 1
+        except (RuntimeError, ValueError) as exc:
+            raise PcpSyncError(
+                f"pcppass: the process group this pass synchronises over cannot be used ({exc}); "
+                "it was probably aborted after a failure or destroyed. Rebuild the group and the "
+                "backend before compiling another step.") from exc
+        if world == 1 and self.largest_world > 1:
+            raise PcpSyncError(
+                f"pcppass: this pass synchronised {self.largest_world} ranks before, and now finds "
+                f"{'no process group' if group is None else 'a group of one rank'}: the group was "
+                "aborted (after a failure) or destroyed. A step compiled now would leave its rows "
+                "unsynchronised on the other replicas; rebuild the group and the backend instead.")
+        self.largest_world = max(self.largest_world, world)
+        return group, world
+
     def apply(self, gm: torch.fx.GraphModule, *, fingerprint_extra: str = "") -> SyncPassResult:
         """Rewrite ``gm`` in place (or leave it unchanged) and say what was done.
 
@@ -177,8 +212,7 @@ class PcpSyncPass(CustomGraphPass):
         writes = find_state_writes(gm)
         if self.dcp_size > 1:
             return SyncPassResult("replicated", f"dcp_size={self.dcp_size}: the cache is sharded", writes)
-        group = self.resolved_group()
-        world = dist.get_world_size(group) if group is not None else 1
+        group, world = self._group_and_world()
         if world == 1:
             return SyncPassResult("single_rank", "one rank: nothing to synchronise", writes)
         uncovered = [w for w in writes if not w.covered]
