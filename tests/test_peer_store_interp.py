@@ -66,8 +66,10 @@ class SimReplicas:
         self.agreed.append(what)
 
 
-def sync_all(ranks, slots_by_rank, other_by_rank, *, fingerprints=None, checks=True, payload_extra=None):
-    """Every rank's sync: stores and barrier (in rank order), then every rank's checks."""
+def sync_all(ranks, slots_by_rank, other_by_rank, *, fingerprints=None, checks=True, payload_extra=None,
+             leading=None):
+    """Every rank's sync: stores (in rank order), then every rank's barrier and checks.
+    ``leading``: a payload before the slot mappings (3 bytes: the slots lie unaligned)."""
     world = len(ranks)
     results = []
     for phase in (1, 2):
@@ -80,8 +82,11 @@ def sync_all(ranks, slots_by_rank, other_by_rank, *, fingerprints=None, checks=T
                     flags[q] = epoch
             slots, other = slots_by_rank[r], other_by_rank[r]
             payloads = [slots, other] + ([payload_extra[r]] if payload_extra else [])
+            segments = [4, 4, 4, 5]
+            if leading is not None:
+                payloads, segments = [leading, *payloads], [5, 5, 5, 6]
             out = peer_store.store((fingerprints or [FP] * world)[r], ranks[r]["caches"],
-                                   cache_slots(slots, other), ENCODED, payloads, [4, 4, 4, 5], SITES,
+                                   cache_slots(slots, other), ENCODED, payloads, segments, SITES,
                                    checks, checks, payload_extra is not None, reps, phase=phase)
 
             if phase == 2:
@@ -158,6 +163,21 @@ def test_conflict_found_past_the_first_chunk_of_rows(check_launch):
         assert not read_rows(ranks[0]["caches"][i], torch.tensor([5]), LAYOUTS[i]).any()
     assert read_rows(ranks[0]["caches"][3], torch.tensor([20]), LAYOUTS[3]).any()  # rank 1's row arrived
     with pytest.raises(PcpSyncError, match=r"site\d writing cache\d: slot 5 was written"):
+        device_checks.raise_pending("cpu")
+
+
+def test_unaligned_slots_in_the_mailbox_are_checked_byte_by_byte(check_launch):
+    """A 3-byte payload before the slot mappings: their mailbox segments are not 8-aligned."""
+    slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 9, -1, 22])]  # slot 9: both ranks
+    other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]
+    ranks = make_ranks(2, slots, other)
+    expected = expected_replica(ranks, slots, other, 0)
+    sync_all(ranks, slots, other, leading=torch.tensor([1, 2, 3], dtype=torch.uint8))
+    assert_replicas_equal(ranks)
+    for i in range(3):
+        assert not read_rows(ranks[0]["caches"][i], torch.tensor([9]), LAYOUTS[i]).any()
+    assert torch.equal(ranks[0]["caches"][3].view(torch.uint8), expected[3].view(torch.uint8))
+    with pytest.raises(PcpSyncError, match=r"site\d writing cache\d: slot 9 was written"):
         device_checks.raise_pending("cpu")
 
 

@@ -338,9 +338,13 @@ def _pow2(n: int, low: int = 1) -> int:
     return max(low, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _header_tile(world: int, head_len: int) -> dict[str, int]:
-    """Constexprs of the header compare: every rank (WP) times HB header bytes per round."""
-    return {"WP": _pow2(world), "HB": min(_pow2(head_len, 16), max(256, 4096 // _pow2(world)))}
+def _header_tile(world: int, head_len: int, *aligned: int) -> dict[str, int]:
+    """Constexprs of the header compare: every rank (WP) times HB words of HW bytes per round,
+    HW the widest word (at most 8 bytes) dividing the header's length and ``aligned`` (the
+    chunks' offset from the kernel's anchor and their stride)."""
+    width = min(8, word_width(head_len, *aligned))
+    words = -(-head_len // width)
+    return {"WP": _pow2(world), "HB": min(_pow2(words, 16), max(256, 4096 // _pow2(world))), "HW": width}
 
 
 def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, conflicts: bool,
@@ -358,7 +362,9 @@ def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, 
         chunks.counters if chunks.counters is not None else segs, segs, tiles.extra["flags"],
         tiles.extra["verdict"], tiles.table, tiles.num_entries, device_checks.status(chunks.anchor.device), me,
         world, head_len, int(conflicts), per_rank, sync_label, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS,
-        BLOCK_K=min(_pow2(max_rows, CHECK_ROWS), 128), **_header_tile(world, head_len))
+        BLOCK_K=min(_pow2(max_rows, CHECK_ROWS), 128),
+        **_header_tile(world, head_len, chunks.anchor.data_ptr(), chunks.offset, chunks.stride, chunks.half),
+        SLOTS8=bool(tiles.extra["segment_slots8"]))
 
 
 def check_tables(segments: Sequence[tuple[int, int, int, int]], world: int) -> dict:
@@ -430,7 +436,9 @@ def peer_store(tiles: TileTable, args: list[torch.Tensor], mailbox: torch.Tensor
         checks.head_len if checks else 0, int(bool(checks and checks.conflicts)), checks.sync_label if checks else -1,
         ENTRY=TILE_FIELDS, BLOCK=tiles.shape.block, USE_TIMER=not _interpreting(), CHECK=checks is not None,
         num_warps=tiles.shape.warps,
-        **_header_tile(world, checks.head_len if checks else 1), NP=rows, CN=rows if rows <= 32 else 16,
+        **_header_tile(world, checks.head_len if checks else 1, MAILBOX_FLAGS, capacity, mailbox.data_ptr(),
+                       tiles.table.data_ptr()),
+        NP=rows, CN=rows if rows <= 32 else 8,
         SLOTS8=bool(checks and tiles.extra["segment_slots8"]))
 
 

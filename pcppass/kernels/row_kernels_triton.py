@@ -291,40 +291,68 @@ def pack_kernel(out, table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, status, me,
 
 
 @triton.jit
-def _headers_differ(anchor, base, stride, me, world, head_len, WP: tl.constexpr, HB: tl.constexpr):
+def _header_words(anchor, HW: tl.constexpr):
+    """``anchor`` as a pointer to HW-byte words."""
+    if HW == 8:
+        return anchor.to(tl.pointer_type(tl.int64), bitcast=True)
+    elif HW == 4:
+        return anchor.to(tl.pointer_type(tl.int32), bitcast=True)
+    elif HW == 2:
+        return anchor.to(tl.pointer_type(tl.int16), bitcast=True)
+    else:
+        return anchor.to(tl.pointer_type(tl.uint8), bitcast=True)
+
+
+@triton.jit
+def _headers_differ(anchor, base, stride, me, world, head_len, WP: tl.constexpr, HB: tl.constexpr,
+                    HW: tl.constexpr):
     """The first rank whose header bytes (rank r's chunk at ``base + r * stride``) differ from
-    this rank's, -1 if none. Every rank's header is loaded at once: ``[WP, HB]`` independent byte
-    loads (WP >= world; one round for a header of at most HB bytes)."""
-    a = anchor.to(tl.int64)
-    bytes_ = anchor.to(tl.pointer_type(tl.uint8), bitcast=True)
+    this rank's, -1 if none. Every rank's header is loaded at once: ``[WP, HB]`` independent loads
+    of HW-byte words (WP >= world; HW divides ``base - anchor``, ``stride`` and ``head_len``; one
+    round for a header of at most ``HB * HW`` bytes)."""
+    words = _header_words(anchor, HW)
+    first = (base - anchor.to(tl.int64)) // HW
+    n = head_len // HW
+    step = stride // HW
     r = tl.arange(0, WP)
     found = tl.full([], WP, tl.int32)
-    for h in range(0, head_len, HB):
+    for h in range(0, n, HB):
         o = h + tl.arange(0, HB)
-        m = o < head_len
-        mine = tl.load(bytes_ + (base + me * stride - a) + o, mask=m, other=0)
-        at = (base - a) + r.to(tl.int64)[:, None] * stride + o[None, :]
-        theirs = tl.load(bytes_ + at, mask=(r < world)[:, None] & m[None, :], other=0)
+        m = o < n
+        mine = tl.load(words + (first + me * step) + o, mask=m, other=0)
+        at = first + r.to(tl.int64)[:, None] * step + o[None, :]
+        theirs = tl.load(words + at, mask=(r < world)[:, None] & m[None, :], other=0)
         differ = _largest((theirs != mine[None, :]).to(tl.int32), axis=1)
         found = tl.minimum(found, _smallest(tl.where((differ > 0) & (r < world), r, WP), axis=0))
     return tl.where(found < WP, found, -1)
 
 
 @triton.jit
-def _conflicting_rows(anchor, slots_at, align, rank, world, stride, n, i, mi, BLOCK_K: tl.constexpr):
-    """Rank ``rank``'s slots of rows ``i`` (rank r's slots start at ``slots_at + r * stride``) and,
-    per row, 1 when another rank holds the same slot (>= 0) in the same segment."""
-    mine = _slot_at(anchor, slots_at + rank * stride + 8 * i.to(tl.int64), mi, align)
+def _rank_slots(anchor, at, i, n, align, SLOTS8: tl.constexpr):
+    """Slots ``i`` (< n; -1 elsewhere) of the int64 slots at byte address ``at``: one int64 load
+    each, by a 32-bit index, when ``SLOTS8`` (``at`` 8-aligned), else ``_slot_at``."""
+    if SLOTS8:
+        first = anchor.to(tl.pointer_type(tl.int64), bitcast=True) + (at - anchor.to(tl.int64)) // 8
+        return tl.load(first + i, mask=i < n, other=-1)
+    else:
+        return _slot_at(anchor, at + 8 * i.to(tl.int64), i < n, align)
+
+
+@triton.jit
+def _conflicting_rows(anchor, slots_at, align, rank, world, stride, n, i, BLOCK_K: tl.constexpr,
+                      SLOTS8: tl.constexpr):
+    """Rank ``rank``'s slots of rows ``i`` (-1 from row n on; rank r's slots start at ``slots_at +
+    r * stride``) and, per row, 1 when another rank holds the same slot (>= 0) in the same segment."""
+    mine = _rank_slots(anchor, slots_at + rank * stride, i, n, align, SLOTS8)
     hit = tl.full(i.shape, 0, tl.int32)
     for other in range(world):
         if other != rank:
             for k0 in range(0, n, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
-                mk = k < n
-                theirs = _slot_at(anchor, slots_at + other * stride + 8 * k.to(tl.int64), mk, align)
-                eq = (mine[:, None] == theirs[None, :]) & mk[None, :] & (mine[:, None] >= 0)
+                theirs = _rank_slots(anchor, slots_at + other * stride, k, n, align, SLOTS8)
+                eq = (mine[:, None] == theirs[None, :]) & (mine[:, None] >= 0)
                 hit = hit | _largest(eq.to(tl.int32), axis=1)
-    return mine, hit & mi.to(tl.int32)
+    return mine, hit
 
 
 @triton.jit
@@ -349,7 +377,7 @@ def _zero_rows(table, num_entries, anchor, segment, slot, rows, ENTRY: tl.conste
 def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdict, table, num_entries, status,
                  me, world, head_len, conflicts, chunks_per_rank, sync_label,
                  ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WP: tl.constexpr,
-                 HB: tl.constexpr):
+                 HB: tl.constexpr, HW: tl.constexpr, SLOTS8: tl.constexpr):
     """After an exchange, on every rank: headers equal, one owner per slot.
 
     Rank r's chunk (header, then segments) lies at ``anchor + base_offset + r * stride`` (the
@@ -367,7 +395,7 @@ def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdi
     seg = segs + 5 * j
     n = tl.load(seg).to(tl.int32)
     base = anchor.to(tl.int64) + base_offset + (tl.load(counters) % 2) * half
-    differs = _headers_differ(anchor, base, stride, me, world, head_len, WP, HB)
+    differs = _headers_differ(anchor, base, stride, me, world, head_len, WP, HB, HW)
     if (j == 0) & (q == 0):
         tl.store(verdict, (differs >= 0).to(tl.int32))
         if differs >= 0:
@@ -380,9 +408,9 @@ def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdi
         tl.store(flag_at, 0, mask=mi)
     else:
         slots_at = base + tl.load(seg + 3)
-        slot, hit = _conflicting_rows(anchor, slots_at, tl.load(seg + 4), r, world, stride, n, i, mi, BLOCK_K)
+        slot, hit = _conflicting_rows(anchor, slots_at, tl.load(seg + 4), r, world, stride, n, i, BLOCK_K, SLOTS8)
         tl.store(flag_at, hit.to(tl.uint8), mask=mi)
-        _settle_conflicts(table, num_entries, anchor, status, seg, j, r, slot, hit, ENTRY)
+        _settle_conflicts(table, num_entries, anchor, status, seg, j, r, slot, hit, ENTRY, 64)
 
 
 @triton.jit
@@ -392,14 +420,15 @@ def _report_header(status, differs, sync_label):
 
 
 @triton.jit
-def _settle_conflicts(table, num_entries, anchor, status, seg, j, r, slot, hit, ENTRY: tl.constexpr):
+def _settle_conflicts(table, num_entries, anchor, status, seg, j, r, slot, hit, ENTRY: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
     """Rows of rank ``r`` (at ``slot``) that another rank wrote too (``hit``): reported, and zeroed
-    in this rank's caches (every rank does the same)."""
+    in this rank's caches (every rank does the same), ``BLOCK_C`` bytes a row at a time."""
     if _largest(hit, axis=0) > 0:
         tl.store(status + S_CONFLICT_SLOT, _largest(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
         tl.store(status + S_CONFLICT_RANK, r)
         tl.store(status + S_CONFLICT, tl.load(seg + 1) + 1)
-        _zero_rows(table, num_entries, anchor, j, slot, hit > 0, ENTRY, 64)
+        _zero_rows(table, num_entries, anchor, j, slot, hit > 0, ENTRY, BLOCK_C)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,17 +572,6 @@ def _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, U
 
 
 @triton.jit
-def _rank_slots(anchor, at, i, n, align, SLOTS8: tl.constexpr):
-    """Slots ``i`` (< n; -1 elsewhere) of the int64 slots at byte address ``at``: one int64 load
-    each, by a 32-bit index, when ``SLOTS8`` (``at`` 8-aligned), else ``_slot_at``."""
-    if SLOTS8:
-        first = anchor.to(tl.pointer_type(tl.int64), bitcast=True) + (at - anchor.to(tl.int64)) // 8
-        return tl.load(first + i, mask=i < n, other=-1)
-    else:
-        return _slot_at(anchor, at + 8 * i.to(tl.int64), i < n, align)
-
-
-@triton.jit
 def _any_conflict(anchor, slots_at, align, stride, world, n, NP: tl.constexpr, CN: tl.constexpr,
                   SLOTS8: tl.constexpr):
     """1 when two ranks hold the same slot (>= 0) among the ``n <= NP`` slots of a segment (rank
@@ -577,12 +595,12 @@ def _any_conflict(anchor, slots_at, align, stride, world, n, NP: tl.constexpr, C
 
 @triton.jit
 def _check_mailbox(table, num_entries, base, stride, segs, num_segs, status, me, world, head_len, conflicts,
-                   sync_label, ENTRY: tl.constexpr, WP: tl.constexpr, HB: tl.constexpr, NP: tl.constexpr,
-                   CN: tl.constexpr, SLOTS8: tl.constexpr):
+                   sync_label, ENTRY: tl.constexpr, WP: tl.constexpr, HB: tl.constexpr, HW: tl.constexpr,
+                   NP: tl.constexpr, CN: tl.constexpr, SLOTS8: tl.constexpr):
     """``check_kernel``'s checks in the program that passed the barrier (every segment of at most
     NP rows per rank): headers, then, when they agree, one owner per slot; rows in conflict are
     reported and zeroed in this rank's caches, as ``check_kernel`` does."""
-    differs = _headers_differ(table, base, stride, me, world, head_len, WP, HB)
+    differs = _headers_differ(table, base, stride, me, world, head_len, WP, HB, HW)
     if differs >= 0:
         _report_header(status, differs, sync_label)
     elif conflicts != 0:
@@ -591,19 +609,21 @@ def _check_mailbox(table, num_entries, base, stride, segs, num_segs, status, me,
             n = tl.load(seg).to(tl.int32)
             slots_at = base + tl.load(seg + 3)
             align = tl.load(seg + 4)
-            if _any_conflict(table, slots_at, align, stride, world, n, NP, CN, SLOTS8) > 0:  # rare: row by row
+            if _any_conflict(table, slots_at, align, stride, world, n, NP, CN, SLOTS8) > 0:
+                # an error: row by row in small tiles (their registers count for the whole kernel)
                 for r in range(world):
-                    for i0 in range(0, n, CN):
-                        i = i0 + tl.arange(0, CN)
-                        slot, hit = _conflicting_rows(table, slots_at, align, r, world, stride, n, i, i < n, CN)
-                        _settle_conflicts(table, num_entries, table, status, seg, j, r, slot, hit, ENTRY)
+                    for i0 in range(0, n, 8):
+                        i = i0 + tl.arange(0, 8)
+                        slot, hit = _conflicting_rows(table, slots_at, align, r, world, stride, n, i, 8, SLOTS8)
+                        _settle_conflicts(table, num_entries, table, status, seg, j, r, slot, hit, ENTRY, 16)
 
 
 @triton.jit
 def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_deltas, counters, status,
                 me, world, capacity, limit, stages, segs, num_segs, num_entries, head_len, conflicts, sync_label,
                 ENTRY: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr, CHECK: tl.constexpr,
-                WP: tl.constexpr, HB: tl.constexpr, NP: tl.constexpr, CN: tl.constexpr, SLOTS8: tl.constexpr):
+                WP: tl.constexpr, HB: tl.constexpr, HW: tl.constexpr, NP: tl.constexpr, CN: tl.constexpr,
+                SLOTS8: tl.constexpr):
     """Program t stores tile ``tiles[t]`` into every peer; the last program to finish raises the
     epoch flag in every peer's mailbox, waits for theirs and, with ``CHECK``, checks every rank's
     header and slots in this rank's mailbox (:func:`_check_mailbox`): one launch per sync.
@@ -642,7 +662,7 @@ def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_d
             if CHECK:
                 if arrived != 0:
                     _check_mailbox(table, num_entries, chunks, capacity, segs, num_segs, status, me, world,
-                                   head_len, conflicts, sync_label, ENTRY, WP, HB, NP, CN, SLOTS8)
+                                   head_len, conflicts, sync_label, ENTRY, WP, HB, HW, NP, CN, SLOTS8)
 
 
 # ---------------------------------------------------------------------------------------------
