@@ -13,9 +13,10 @@ Launches, one each whatever the number of caches:
 * :func:`check_inputs`: slot-mapping inputs in range;
 * :func:`store_rows`: dense source rows into one cache at slots (the cache-write ops' store).
 
-Work is cut into tiles of ``block`` words (:data:`TILE_SHAPES`) (:mod:`pcppass.kernels.row_kernels_triton`): a
-word is the widest of 16, 8, 4, 2, 1 bytes that every address of a table entry allows, so rows of
-DeepSeek's 656-byte MLA cache move as 16-byte vectors, many rows per program.
+Work is cut into tiles of ``block`` words (:data:`TILE_SHAPES`; the kernels are in
+:mod:`pcppass.kernels.row_kernels_triton`): a word is the widest of 16, 8, 4, 2, 1 bytes that
+every address of a table entry allows, so rows of DeepSeek's 656-byte MLA cache move as 16-byte
+vectors, many rows per program.
 
 A cache row is addressed by :class:`RowAddressing`, the byte form of a resolved layout::
 

@@ -3,10 +3,10 @@ Triton mode: ``triton.jit`` decides between compiling and interpreting when it d
 
 Tile kernels (``pack_kernel``, ``scatter_kernel``, ``peer_kernel``) run one program per tile: a
 range of ``BLOCK`` words of one table entry (each tile row holds a copy of its entry, then its
-first word: one load round before the addresses, not two), a word being ``width`` bytes (16, 8, 4, 2 or 1: the
-widest that every address of the entry allows, chosen on the host). A word ``w`` of an entry is
-byte ``(w % wpr) * width`` of row ``w // wpr``, so one program moves many rows, and a 16-byte word
-is one vector load and one vector store per lane. Every address is taken relative to an aligned
+first word: one load round before the addresses, not two), a word being ``width`` bytes (16, 8,
+4, 2 or 1: the widest that every address of the entry allows, chosen on the host). A word ``w`` of
+an entry is byte ``(w % wpr) * width`` of row ``w // wpr``, so one program moves many rows, and a
+16-byte word is one vector load and one vector store per lane. Every address is taken relative to an aligned
 pointer argument (``anchor``) so the compiler can prove the alignment and emit 16-byte accesses.
 
 Entry fields (int64; ``row_kernels.Entry`` builds them):
@@ -576,9 +576,9 @@ def _any_conflict(anchor, slots_at, align, stride, world, n, NP: tl.constexpr, C
                   SLOTS8: tl.constexpr):
     """1 when two ranks hold the same slot (>= 0) among the ``n <= NP`` slots of a segment (rank
     r's at ``slots_at + r * stride``), or when a slot is below -1 (out of range: the caller then
-    goes row by row). Per pair of ranks, ``[CN, NP]`` compares in a loop (a wider tile, or an
-    unrolled loop, takes twice the registers of the store tiles of the same kernel); rank r's
-    slots are loaded whole first, so the chunks the loop loads come from L1."""
+    goes row by row). Per pair of ranks, ``[CN, NP]`` compares in a loop (few registers: they
+    count for the store tiles of the same kernel too); rank r's slots are loaded whole first, so
+    the chunks the loop loads come from L1."""
     k = tl.arange(0, NP)
     hit = tl.full([CN], 0, tl.int32)
     for r in range(world):
