@@ -17,9 +17,6 @@ timed by replaying it (median per rank; the table shows the slowest rank's media
 
 ``--baseline JSON`` adds the deferred sync of an earlier build, measured by its own
 ``pcppass bench --sync-microbench`` in the same session (``deferred_batched_graph_us``).
-``--previous JSON`` sets an earlier run of this script (another build's kernels) beside this one.
-``--sweep 512x4,1024x8`` times pack, checked scatter and peer stores (checks on) at the
-``--kernel-rows`` for each tile shape (words per program x warps, ``row_kernels.TILE_SHAPES``).
 
 Correctness, per row count, after graph replays (never only eager): each rank writes fresh bytes
 into its own rows, replays the sync's graph, then every cache must be bitwise equal on all ranks,
@@ -70,8 +67,6 @@ class Config:
     out: str = "bench/results"
     tag: str = "local"
     baseline: str = ""
-    previous: str = ""
-    sweep: tuple[str, ...] = ()
     timeout_s: float = 560.0
 
 
@@ -181,14 +176,6 @@ class Layers:
             write_rows(cache, own, torch.randint(0, 256, (own.numel(), lay.bytes_per_row), dtype=torch.uint8,
                                                  device="cuda", generator=gen), lay)
 
-    def every_rank_rows(self) -> list[torch.Tensor]:
-        """Per cache, the rows at every rank's slots (the bytes a sync moves), on the device."""
-        from pcppass.kernels.rows import read_rows
-
-        slots = torch.cat([(1 + r * self.rows + torch.arange(self.rows - 1, device="cuda")) * BLOCK + 3
-                           for r in range(self.world)])
-        return [read_rows(c, slots, self.mla_layout if c.dim() == 3 else self.idx_layout) for c in self.caches()]
-
     def digest(self) -> str:
         h = hashlib.sha256()
         for c in self.caches():
@@ -284,10 +271,8 @@ def sync_rank(rank: int, world: int, cfg: Config) -> dict:
                 flush=True)
         del layers, variants
         torch.cuda.empty_cache()
-    for rows in cfg.kernel_rows if not cfg.sweep else ():  # a sweep times the same kernels per shape
+    for rows in cfg.kernel_rows:
         out["kernels"][str(rows)] = _kernel_rates(rows, rank, world, cfg, group)
-    if cfg.sweep:
-        out["sweep"] = _sweep(rank, world, cfg, group)
     if cfg.models:
         out["models"] = decode_steps(rank, world, cfg)
     return out
@@ -302,34 +287,28 @@ def _per_site(layers: Layers, group: str) -> Callable[[], None]:
     return run
 
 
-def _pack_and_scatter(layers: Layers, group: str) -> tuple[dict[str, Callable[[], Any]], int]:
-    """``sync_pack`` and the checked ``sync_scatter_rows_all`` of an all-gather done once (both
-    idempotent on these caches), and the bytes one rank packs."""
+def _kernel_rates(rows: int, rank: int, world: int, cfg: Config, group: str) -> dict:
+    """``sync_pack`` and the checked scatter alone: bytes read + written per second."""
     ops = torch.ops.pcppass
+    layers = Layers(cfg.layers, rows, rank, world)
     caches, cache_slots, layouts, payloads, slots_segments, sites = layers.sync_args()
     n = len(caches)
     packed = ops.sync_pack(FP, caches, cache_slots, layouts, payloads)
-    gathered = packed.new_empty(packed.numel() * layers.world)
+    gathered = packed.new_empty(packed.numel() * world)
     dist.all_gather_into_tensor(gathered, packed)
-    index = ops.sync_read_header(gathered, layers.world, FP, n + len(payloads), True)
-
-    def pack() -> torch.Tensor:
-        return ops.sync_pack(FP, caches, cache_slots, layouts, payloads)
+    index = ops.sync_read_header(gathered, world, FP, n + len(payloads), True)
 
     def scatter() -> None:
         ops.sync_scatter_rows_all(caches, gathered, index, list(range(n)), slots_segments, layouts, group, sites,
                                   True)
-    return {"pack": pack, "scatter": scatter}, packed.numel()
 
+    def pack() -> None:
+        ops.sync_pack(FP, caches, cache_slots, layouts, payloads)
 
-def _kernel_rates(rows: int, rank: int, world: int, cfg: Config, group: str) -> dict:
-    """``sync_pack`` and the checked scatter alone: bytes read + written per second."""
-    layers = Layers(cfg.layers, rows, rank, world)
-    fns, packed_bytes = _pack_and_scatter(layers, group)
     row_bytes = (rows - 1) * cfg.layers * (MLA_ROW + INDEXER_VALUES + INDEXER_SCALES)
-    moved = {"pack": row_bytes + packed_bytes, "scatter": 2 * (world - 1) * row_bytes}
+    moved = {"pack": row_bytes + packed.numel(), "scatter": 2 * (world - 1) * row_bytes}
     res = {"rows": rows, "bytes_moved": moved}
-    for name, fn in fns.items():
+    for name, fn in (("pack", pack), ("scatter", scatter)):
         fn()
         torch.cuda.synchronize()
         t = graph_us(fn, cfg.reps)
@@ -337,48 +316,6 @@ def _kernel_rates(rows: int, rank: int, world: int, cfg: Config, group: str) -> 
     del layers
     torch.cuda.empty_cache()
     return res
-
-
-def _sweep(rank: int, world: int, cfg: Config, group: str) -> list[dict]:
-    """Pack, checked scatter and peer stores (checks on) per tile shape ``BLOCKxWARPS``, at each
-    of ``cfg.kernel_rows``; the shapes in force are restored after. Each shape must leave the
-    bytes the first one left (packed buffer, every cache), replicas equal, the status clean."""
-    from pcppass.bench.inputs import caches_equal_across_ranks
-    from pcppass.kernels import row_kernels
-    from pcppass.runtime import device_checks
-
-    saved = dict(row_kernels.TILE_SHAPES)
-    out = []
-    for rows in cfg.kernel_rows:
-        layers = Layers(cfg.layers, rows, rank, world)
-        fns = {**_pack_and_scatter(layers, group)[0], "peer": peer_sync(layers, group, True)}
-        reference = None
-        for spec in cfg.sweep:
-            block, warps = (int(x) for x in spec.split("x"))
-            shape = row_kernels.TileShape(block, warps)
-            row_kernels.TILE_SHAPES.update({k: shape for k in saved})
-            entry = {"rows": rows, "block": block, "warps": warps}
-            for name, fn in fns.items():
-                fn()
-                torch.cuda.synchronize()
-                entry[name] = graph_us(fn, cfg.reps)["us"]
-            # every variant is idempotent on these caches: each shape must leave the same bytes
-            dist.barrier()
-            state = [fns["pack"](), *layers.every_rank_rows()]
-            reference = reference or state
-            equal = caches_equal_across_ranks({str(i): c for i, c in enumerate(layers.caches())})
-            error = device_checks.pending("cuda")
-            entry["same_bytes_as_first_shape"] = all(torch.equal(a, b) for a, b in zip(state, reference))
-            entry["replicas_equal"] = all(equal.values())
-            entry["device_status"] = str(error) if error else "clean"
-            dist.barrier()
-            out.append(entry)
-            if rank == 0:
-                print(f"[sweep] {entry}", flush=True)
-        row_kernels.TILE_SHAPES.update(saved)
-        del layers, fns
-        torch.cuda.empty_cache()
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +393,7 @@ def decode_steps(rank: int, world: int, cfg: Config) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def markdown(result: dict, baseline: dict | None, previous: dict | None = None) -> str:
+def markdown(result: dict, baseline: dict | None) -> str:
     env, cfg = result["environment"], result["config"]
     lines = [f"# Replica-sync transports: {env.get('device')} × {cfg['world']}", "",
              f"{env['date']} · torch {env['torch']} · triton {env.get('triton')} · NCCL {env.get('nccl')} · "
@@ -483,16 +420,6 @@ def markdown(result: dict, baseline: dict | None, previous: dict | None = None) 
             rate = k[name]["bytes_per_s"]
             lines.append(f"| {name} | {rows} | {k['bytes_moved'][name]:,} | {k[name]['us']:.1f} | {rate / 1e9:.0f} | "
                          f"{100 * rate / result['copy_bytes_per_s']:.0f}% |")
-    if previous:
-        lines += _previous_tables(result, previous)
-    if result.get("sweep"):
-        lines += ["", "Tile shapes (words per program × warps), µs (graph replay, slowest rank):", "",
-                  "| rows/rank | block × warps | pack | checked scatter | peer stores (checks on) | same bytes, "
-                  "replicas equal, status |", "|---|---|---|---|---|---|"]
-        for e in result["sweep"]:
-            lines.append(f"| {e['rows']} | {e['block']} × {e['warps']} | {e['pack']:.1f} | {e['scatter']:.1f} | "
-                         f"{e['peer']:.1f} | {e['same_bytes_as_first_shape']}, {e['replicas_equal']}, "
-                         f"{e['device_status']} |")
     for name, m in result.get("models", {}).items():
         lines += ["", f"## {name}: 2-layer full-width decode step, ms (CUDA-graph replay, slowest rank)", "",
                   f"transports chosen: {m['transports']}; replicas equal after a replay: "
@@ -504,26 +431,6 @@ def markdown(result: dict, baseline: dict | None, previous: dict | None = None) 
             by = {c["variant"]: c["us"] / 1000 for c in m["configs"] if (c["rows_per_rank"], c["context"]) == key}
             lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(f"{by.get(v, float('nan')):.3f}" for v in names) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _previous_tables(result: dict, previous: dict) -> list[str]:
-    """This run beside an earlier run of this script (µs, slowest rank; kernel bandwidth shares)."""
-    env = previous.get("environment", {})
-    lines = ["", f"Beside the previous run ({env.get('date')}, torch {env.get('torch')}), µs:", "",
-             "| rows/rank | variant | previous | this run |", "|---|---|---|---|"]
-    for rows, e in result["rows"].items():
-        old = previous.get("rows", {}).get(rows, {}).get("variants", {})
-        for name in ("allgather", "allgather_nochecks", "peer", "peer_nochecks", "bare"):
-            lines.append(f"| {rows} | {name} | {_num(old.get(name, {}).get('us'))} | {e['variants'][name]['us']:.1f} |")
-    lines += ["", "| kernel | rows/rank | previous: % of copy bandwidth | this run |", "|---|---|---|---|"]
-    for rows, k in result["kernels"].items():
-        old = previous.get("kernels", {}).get(rows, {})
-        for name in ("pack", "scatter"):
-            was = old.get(name, {}).get("bytes_per_s")
-            was_share = f"{100 * was / previous['copy_bytes_per_s']:.0f}%" if was else "–"
-            lines.append(f"| {name} | {rows} | {was_share} | "
-                         f"{100 * k[name]['bytes_per_s'] / result['copy_bytes_per_s']:.0f}% |")
-    return lines
 
 
 def _num(x: Any) -> str:
@@ -571,14 +478,11 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="local")
     parser.add_argument("--baseline", default="", help="JSON of an earlier build's pcppass bench --sync-microbench")
-    parser.add_argument("--previous", default="", help="JSON of an earlier run of this script, set beside")
-    parser.add_argument("--sweep", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
-                        help="tile shapes BLOCKxWARPS to time pack, scatter and peer stores with")
     parser.add_argument("--timeout", type=float, default=560.0)
     args = parser.parse_args()
     cfg = Config(world=args.world, layers=args.layers, rows=args.rows, kernel_rows=args.kernel_rows, reps=args.reps,
                  models=args.models, contexts=args.contexts, model_rows=args.model_rows, out=args.out, tag=args.tag,
-                 baseline=args.baseline, previous=args.previous, sweep=args.sweep, timeout_s=args.timeout)
+                 baseline=args.baseline, timeout_s=args.timeout)
     from pcppass.bench.environment import SAFE_ENV
     from pcppass.engine.launch import launch
 
@@ -593,16 +497,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"sync_transports_{cfg.tag}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    previous = json.loads(Path(cfg.previous).read_text()) if cfg.previous else None
-    if previous:
-        result["previous"] = {k: previous.get(k) for k in ("environment", "rows", "kernels", "copy_bytes_per_s")}
-    text = markdown(result, baseline, previous)
+    text = markdown(result, baseline)
     stem.with_suffix(".md").write_text(text)
-    if result["rows"]:  # runs of the kernels, the sweep or the decode steps alone have no sync plot
-        try:
-            plot(result, baseline, stem.with_suffix(".png"))
-        except ImportError:
-            pass
+    try:
+        plot(result, baseline, stem.with_suffix(".png"))
+    except ImportError:
+        pass
     print(text)
 
 

@@ -46,7 +46,7 @@ def group_name():
 
 
 FP = "0123456789abcdef0123456789abcdef"
-BS, NB, CAPACITY = 4, 6, 1024
+BS, NB, CAPACITY = 4, 6, 512
 PAGED = ResolvedLayout("paged_rows", BS, 2 * 3 * 2)  # bf16 [nb, bs, 2, 3]
 SPLIT = ResolvedLayout("block_split", BS, 8 + 4, segments=((0, 8, 8), (BS * 8, 4, 4)))  # uint8 [nb, bs*12]
 INDEXED = ResolvedLayout("indexed_dim", 1, 2 * 5 * 4, dim=1)  # fp32 [2, nb*bs, 5]

@@ -2,9 +2,8 @@
 process: each simulated rank has its own caches and mailbox (CPU tensors); a rank's "peer
 addresses" are the other ranks' tensors, so the kernel's stores land there as they would over
 NVLink. The barrier runs as on the device except that ranks run one after the other: every rank
-runs its stores (phase 1), then every rank its barrier and checks (phase 2: the second half of the
-same kernel; a peer's flag is set beforehand where that peer has not run yet), as they would run
-after the barrier.
+runs its stores and barrier (phase 1; a peer's flag is set beforehand where that peer has not run
+yet), then every rank its checks (phase 2), as they would after the barrier.
 
 Checked against the reference row primitives (pcppass.kernels.rows): after one sync every rank's
 replica equals "own rows + every other rank's rows at its slots", bitwise, for every layout kind;
@@ -24,26 +23,6 @@ from sync_cases import (CAPACITY, ENCODED, FP, LAYOUTS, SITES, assert_replicas, 
                         clean_status, interpret, make_ranks)  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.usefixtures("interpret", "clean_status")
-
-
-@pytest.fixture(params=["fused", "separate"])
-def check_launch(request, monkeypatch):
-    """Where the checks run: in the peer-store launch after its barrier (no check launch may
-    happen), or in a second launch (segments larger than the fused check takes)."""
-    if request.param == "fused":
-        def no_second_launch(*args, **kwargs):
-            raise AssertionError("the peer-store launch checks its own mailbox: no check_kernel launch")
-
-        monkeypatch.setattr(row_kernels, "check", no_second_launch)
-    else:
-        monkeypatch.setattr(row_kernels, "FUSED_CHECK_ROWS", 0)
-    return request.param
-
-
-def assert_replicas_equal(ranks):
-    for i, lay in enumerate(LAYOUTS):
-        for r in range(1, len(ranks)):
-            assert torch.equal(ranks[0]["caches"][i].view(torch.uint8), ranks[r]["caches"][i].view(torch.uint8)), lay
 
 
 class SimReplicas:
@@ -66,36 +45,31 @@ class SimReplicas:
         self.agreed.append(what)
 
 
-def sync_all(ranks, slots_by_rank, other_by_rank, *, fingerprints=None, checks=True, payload_extra=None,
-             leading=None):
-    """Every rank's sync: stores (in rank order), then every rank's barrier and checks.
-    ``leading``: a payload before the slot mappings (3 bytes: the slots lie unaligned)."""
+def sync_all(ranks, slots_by_rank, other_by_rank, *, fingerprints=None, checks=True, payload_extra=None):
+    """Every rank's sync: stores and barrier (in rank order), then every rank's checks."""
     world = len(ranks)
     results = []
     for phase in (1, 2):
         for r in range(world):
             reps = SimReplicas(r, ranks)
-            if phase == 2:  # the peers that run after this rank have "signalled" already
+            if phase == 1:  # the peers that run after this rank have "signalled" already
                 flags = reps.mailbox[:8 * world].view(torch.int64)
                 epoch = int(reps.counters[0]) + 1
                 for q in range(r + 1, world):
                     flags[q] = epoch
             slots, other = slots_by_rank[r], other_by_rank[r]
             payloads = [slots, other] + ([payload_extra[r]] if payload_extra else [])
-            segments = [4, 4, 4, 5]
-            if leading is not None:
-                payloads, segments = [leading, *payloads], [5, 5, 5, 6]
             out = peer_store.store((fingerprints or [FP] * world)[r], ranks[r]["caches"],
-                                   cache_slots(slots, other), ENCODED, payloads, segments, SITES,
+                                   cache_slots(slots, other), ENCODED, payloads, [4, 4, 4, 5], SITES,
                                    checks, checks, payload_extra is not None, reps, phase=phase)
 
-            if phase == 2:
+            if phase == 1:
                 results.append(out)
     return results
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_peer_stores_give_every_rank_the_reference_rows(world, check_launch):
+def test_peer_stores_give_every_rank_the_reference_rows(world):
     slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 5, -1, 22]), torch.tensor([1, 2, 13, -1])][:world]
     other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2]), torch.tensor([4, 3, 14, 19])][:world]
     ranks = make_ranks(world, slots, other)
@@ -118,7 +92,7 @@ def test_peer_stores_give_every_rank_the_reference_rows(world, check_launch):
     assert all(int(r["counters"][0]) == 2 for r in ranks)
 
 
-def test_slot_written_by_two_ranks_is_zeroed_on_every_replica_and_reported(check_launch):
+def test_slot_written_by_two_ranks_is_zeroed_on_every_replica_and_reported():
     slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 9, -1, 22])]  # slot 9: both ranks
     other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]
     ranks = make_ranks(2, slots, other)
@@ -126,79 +100,29 @@ def test_slot_written_by_two_ranks_is_zeroed_on_every_replica_and_reported(check
     for i in range(3):  # the caches addressed by the conflicting slot segment
         rows = [read_rows(r["caches"][i], torch.tensor([9]), LAYOUTS[i]) for r in ranks]
         assert torch.equal(rows[0], rows[1]) and not rows[0].any()
-    assert_replicas_equal(ranks)
-    with pytest.raises(PcpSyncError, match=r"site\d writing cache\d: slot 9 was written by rank .* and another rank"):
+    for i, lay in enumerate(LAYOUTS):
+        assert torch.equal(ranks[0]["caches"][i].view(torch.uint8), ranks[1]["caches"][i].view(torch.uint8)), lay
+    with pytest.raises(PcpSyncError, match="slot 9 was written by rank .* and another rank"):
         device_checks.raise_pending("cpu")
 
 
-def test_conflict_in_one_segment_leaves_the_other_segment_applied(check_launch):
-    """Slot 7 of the cache with its own slot segment (cache 3) is held by both ranks: only that
-    cache's row 7 is zeroed; every other row of every rank reached every replica."""
-    slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 5, -1, 22])]
-    other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, 7, 20, 2])]
-    ranks = make_ranks(2, slots, other)
-    expected = expected_replica(ranks, slots, other, 0)
-    sync_all(ranks, slots, other)
-    assert_replicas_equal(ranks)
-    assert not read_rows(ranks[0]["caches"][3], torch.tensor([7]), LAYOUTS[3]).any()
-    seven = torch.tensor([7])
-    expected[3] = expected[3].clone()
-    from pcppass.kernels.rows import write_rows
-    write_rows(expected[3], seven, torch.zeros(1, LAYOUTS[3].bytes_per_row, dtype=torch.uint8), LAYOUTS[3])
-    assert_replicas(ranks, expected)
-    with pytest.raises(PcpSyncError, match=r"site3 writing cache3: slot 7 was written"):
-        device_checks.raise_pending("cpu")
-
-
-def test_conflict_found_past_the_first_chunk_of_rows(check_launch):
-    """38 rows per rank (mostly padding): the fused check compares them 16 at a time; the slot
-    both ranks hold is rank 0's row 36."""
-    pad = torch.full((36,), -1)
-    slots = [torch.cat([pad, torch.tensor([5, 2])]), torch.cat([torch.tensor([11, 5]), pad])]
-    other = [torch.cat([pad, torch.tensor([1, 7])]), torch.cat([torch.tensor([3, 20]), pad])]
-    ranks = make_ranks(2, slots, other)
-    sync_all(ranks, slots, other)
-    assert_replicas_equal(ranks)
-    for i in range(3):
-        assert not read_rows(ranks[0]["caches"][i], torch.tensor([5]), LAYOUTS[i]).any()
-    assert read_rows(ranks[0]["caches"][3], torch.tensor([20]), LAYOUTS[3]).any()  # rank 1's row arrived
-    with pytest.raises(PcpSyncError, match=r"site\d writing cache\d: slot 5 was written"):
-        device_checks.raise_pending("cpu")
-
-
-def test_unaligned_slots_in_the_mailbox_are_checked_byte_by_byte(check_launch):
-    """A 3-byte payload before the slot mappings: their mailbox segments are not 8-aligned."""
-    slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 9, -1, 22])]  # slot 9: both ranks
-    other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]
-    ranks = make_ranks(2, slots, other)
-    expected = expected_replica(ranks, slots, other, 0)
-    sync_all(ranks, slots, other, leading=torch.tensor([1, 2, 3], dtype=torch.uint8))
-    assert_replicas_equal(ranks)
-    for i in range(3):
-        assert not read_rows(ranks[0]["caches"][i], torch.tensor([9]), LAYOUTS[i]).any()
-    assert torch.equal(ranks[0]["caches"][3].view(torch.uint8), expected[3].view(torch.uint8))
-    with pytest.raises(PcpSyncError, match=r"site\d writing cache\d: slot 9 was written"):
-        device_checks.raise_pending("cpu")
-
-
-def test_out_of_range_slot_is_dropped_and_reported(check_launch):
+def test_out_of_range_slot_is_dropped_and_reported():
     slots = [torch.tensor([3, -1, 9, 1000]), torch.tensor([17, 5, -1, 22])]
     other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]
     ranks = make_ranks(2, slots, other)
     sync_all(ranks, slots, other)
-    assert_replicas_equal(ranks)
+    for i, lay in enumerate(LAYOUTS):
+        assert torch.equal(ranks[0]["caches"][i].view(torch.uint8), ranks[1]["caches"][i].view(torch.uint8)), lay
     with pytest.raises(PcpSyncError, match=r"site\d writing cache\d: rank 0 wrote slot 1000, outside the cache"):
         device_checks.raise_pending("cpu")
 
 
-def test_header_that_differs_is_reported(check_launch):
+def test_header_that_differs_is_reported():
     slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 5, -1, 22])]
     other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]
     ranks = make_ranks(2, slots, other)
     sync_all(ranks, slots, other, fingerprints=[FP, "ff" * 16])
-    assert_replicas_equal(ranks)
-    with pytest.raises(PcpSyncError, match="peer-store sync of site0 writing cache0 and 3 more caches: rank \\d's "
-                                           "sync header differs"):
+    with pytest.raises(PcpSyncError, match="sync header differs"):
         device_checks.raise_pending("cpu")
 
 

@@ -15,14 +15,13 @@ The launch (``row_kernels.peer_store``, one program per tile):
    16-byte words where the layout allows) to the same address in every peer's replica; the header
    and payloads (slot mappings, re-run inputs) go to this rank's chunk of every rank's mailbox;
 2. the last program to finish raises this sync's epoch in every peer's mailbox and waits (bounded)
-   for every peer's;
-3. with checks on, that same program then compares every rank's header in its mailbox with this
-   rank's (fingerprint, segment sizes) and every slot with the other ranks' slots of the same
-   segment: a slot two ranks wrote is zeroed in this rank's replica (every rank does the same, so
-   the replicas stay identical); errors go to the device status
-   (:mod:`pcppass.runtime.device_checks`). One launch per sync; segments of more than
-   ``row_kernels.FUSED_CHECK_ROWS`` rows per rank are checked by a second launch
-   (``check_kernel``, as for the all-gather transport but on the mailbox), with the same results.
+   for every peer's.
+
+Then, with checks on, one more launch (``check_kernel``, as for the all-gather transport but on
+the mailbox) compares every rank's header with this rank's (fingerprint, segment sizes) and every
+slot with the other ranks' slots of the same segment: a slot two ranks wrote is zeroed in this
+rank's replica (every rank does the same, so the replicas stay identical); errors go to the
+device status (:mod:`pcppass.runtime.device_checks`).
 
 No all-gather buffer, no receive-side scatter: a replica's rows arrive with the same bytes the
 all-gather transport's scatter writes (the rows of the cache at the owner's slots). A peer's rows
@@ -88,8 +87,8 @@ def store(
 ) -> torch.Tensor:
     """One peer-store sync (see the module docstring); returns every rank's mailbox chunk when
     ``return_payloads`` (``[world * chunk]`` bytes), else an empty tensor. ``phase``: 3 runs the
-    stores (1), then the barrier and the checks (2), in one launch; a simulation of several ranks
-    in one process runs every rank's phase 1, then every rank's phase 2."""
+    stores with the barrier (1), then the checks (2); a simulation of several ranks in one
+    process runs every rank's phase 1, then every rank's phase 2."""
     decoded = decode_pack_layouts(caches, cache_slots, layouts)
     labels = site_labels(sites, len(caches))
     addressings = [row_kernels.addressing(c, lay) for c, lay in zip(caches, decoded)]
@@ -145,15 +144,13 @@ def store(
         return entries, extra
 
     tiles = row_kernels.tile_table(key, device, build)
-    checked = verify or check_conflicts
-    fused = checked and row_kernels.fused_check_fits(tiles)
-    checks = row_kernels.PeerChecks(head.numel(), check_conflicts, row_kernels.sync_label("peer-store", labels))
-    row_kernels.peer_store(tiles, launch_args, reps.mailbox, reps.mailbox_deltas, reps.counters, reps.me,
-                           reps.world, reps.capacity, reps.limit, checks if fused else None, stages=phase)
-    if phase & 2 and checked and not fused:
+    if phase & 1:
+        row_kernels.peer_store(tiles, launch_args, reps.mailbox, reps.mailbox_deltas, reps.counters, reps.me,
+                               reps.world, reps.capacity, reps.limit)
+    if phase & 2 and (verify or check_conflicts):
         chunks = row_kernels.Chunks(reps.mailbox, row_kernels.MAILBOX_FLAGS, reps.capacity,
                                     reps.world * reps.capacity, reps.counters)
-        row_kernels.check(chunks, tiles, reps.me, reps.world, head.numel(), check_conflicts, checks.sync_label)
+        row_kernels.check(chunks, tiles, reps.me, reps.world, head.numel(), check_conflicts)
     rows_bytes = sum(c * lay.bytes_per_row for c, lay in zip(counts, decoded))
     if phase & 1:
         SYNC_COUNTERS.record(rows_bytes + chunk, reps.world)

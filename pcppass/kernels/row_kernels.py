@@ -13,10 +13,9 @@ Launches, one each whatever the number of caches:
 * :func:`check_inputs`: slot-mapping inputs in range;
 * :func:`store_rows`: dense source rows into one cache at slots (the cache-write ops' store).
 
-Work is cut into tiles of ``block`` words (:data:`TILE_SHAPES`; the kernels are in
-:mod:`pcppass.kernels.row_kernels_triton`): a word is the widest of 16, 8, 4, 2, 1 bytes that
-every address of a table entry allows, so rows of DeepSeek's 656-byte MLA cache move as 16-byte
-vectors, many rows per program.
+Work is cut into tiles of :data:`BLOCK` words (:mod:`pcppass.kernels.row_kernels_triton`): a
+word is the widest of 16, 8, 4, 2, 1 bytes that every address of a table entry allows, so rows of
+DeepSeek's 656-byte MLA cache move as 16-byte vectors, many rows per program.
 
 A cache row is addressed by :class:`RowAddressing`, the byte form of a resolved layout::
 
@@ -58,22 +57,11 @@ MAX_SEGMENTS = 4
 MAX_ARGS = 8
 #: ranks a peer-store table holds a replica distance for (and the check kernels compare)
 MAX_WORLD = 8
-@dataclass(frozen=True)
-class TileShape:
-    """Words per tile (one program) and warps per program of a tile kernel."""
-
-    block: int = 512
-    warps: int = 4
-
-
-#: tile shape of each table kind (the first element of a table's key: "pack", "scatter", "peer")
-TILE_SHAPES: dict[str, TileShape] = {"pack": TileShape(), "scatter": TileShape(), "peer": TileShape()}
+#: words per tile (one program)
+BLOCK = 512
 #: rows of one rank one program of check_kernel compares (against CHECK_ROWS of another at a
 #: time: a larger tile spills registers, ptxas -v: 64x256 took 255 registers + 3.3 KB of spills)
 CHECK_ROWS = 32
-#: most rows per rank of a slot segment the peer-store launch checks itself, in the program that
-#: passed the barrier (one program: its compares grow as rows squared); more take check_kernel
-FUSED_CHECK_ROWS = 128
 #: int64 fields of a tile-table entry (see row_kernels_triton)
 TILE_FIELDS = 17 + MAX_WORLD
 #: entry kinds
@@ -218,16 +206,18 @@ def bytes_entry(*, kind: int, nbytes: int, buf: int, source: int = 0, offset: in
 @dataclass
 class TileTable:
     table: torch.Tensor  # [entries, TILE_FIELDS] int64
-    tiles: torch.Tensor  # [tiles, TILE_FIELDS + 1] int64: (its entry's fields..., first word)
+    tiles: torch.Tensor  # [tiles, 2] int64: (entry, first word)
     num_entries: int
     num_tiles: int
     extra: dict
-    shape: TileShape = TileShape()
 
 
-def _tiles(entries: list[list[int]], block: int) -> list[list[int]]:
-    """One row per tile: a copy of its entry, then its first word."""
-    return [[*e, first] for e in entries for first in range(0, e[2] * e[10], block)]
+def _tiles(entries: list[list[int]]) -> list[int]:
+    out: list[int] = []
+    for i, e in enumerate(entries):
+        for first in range(0, e[2] * e[10], BLOCK):
+            out += [i, first]
+    return out
 
 
 #: configuration key -> tile table on a device
@@ -236,19 +226,16 @@ _TABLES: dict[tuple, TileTable] = {}
 
 def tile_table(key: tuple, device: torch.device, build: Callable[[], tuple[list[list[int]], dict]]) -> TileTable:
     """The cached table of ``key`` (``build() -> (entries, extra)`` runs on a miss; tensors in
-    ``extra`` are moved to ``device``), cut into tiles of ``TILE_SHAPES[key[0]]``."""
-    shape = TILE_SHAPES.get(key[0], TileShape())
-    key = (*key, shape)
+    ``extra`` are moved to ``device``)."""
     found = _TABLES.get(key)
     if found is None:
         entries, extra = build()
-        tiles = _tiles(entries, shape.block)
+        tiles = _tiles(entries)
         flat = [x for e in entries for x in e] or [0] * TILE_FIELDS
         table = torch.tensor(flat, dtype=torch.int64).to(device)
         extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
-        found = _TABLES[key] = TileTable(table, torch.tensor(tiles or [[0] * (TILE_FIELDS + 1)],
-                                                             dtype=torch.int64).to(device),
-                                         len(entries), len(tiles), extra, shape)
+        found = _TABLES[key] = TileTable(table, torch.tensor(tiles or [0, 0], dtype=torch.int64).to(device),
+                                         len(entries), len(tiles) // 2, extra)
     return found
 
 
@@ -319,8 +306,7 @@ def pack(out: torch.Tensor, tiles: TileTable, args: list[torch.Tensor], me: int)
     """Run a pack table (header, rows, payloads) into ``out``."""
     kernels().pack_kernel[(tiles.num_tiles,)](out, tiles.table, tiles.tiles, *args,
                                               device_checks.status(out.device), me,
-                                              ENTRY=TILE_FIELDS, BLOCK=tiles.shape.block,
-                                              num_warps=tiles.shape.warps)
+                                              ENTRY=TILE_FIELDS, BLOCK=BLOCK)
 
 
 @dataclass(frozen=True)
@@ -335,37 +321,19 @@ class Chunks:
     counters: torch.Tensor | None = None
 
 
-def _pow2(n: int, low: int = 1) -> int:
-    return max(low, 1 << max(0, int(n) - 1).bit_length())
-
-
-def _header_tile(world: int, head_len: int, *aligned: int) -> dict[str, int]:
-    """Constexprs of the header compare: every rank (WP) times HB words of HW bytes per round,
-    HW the widest word (at most 8 bytes) dividing the header's length and ``aligned`` (the
-    chunks' offset from the kernel's anchor and their stride)."""
-    width = min(8, word_width(head_len, *aligned))
-    words = -(-head_len // width)
-    return {"WP": _pow2(world), "HB": min(_pow2(words, 16), max(256, 4096 // _pow2(world))), "HW": width}
-
-
-def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, conflicts: bool,
-          sync_label: int = -1) -> None:
+def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, conflicts: bool) -> None:
     """Every rank's header against this rank's and, with ``conflicts``, every slot of the
     segments ``tiles.extra["segs"]`` against the other ranks' (see ``check_kernel``): row flags in
     ``tiles.extra["flags"]``, ``tiles.extra["verdict"][0]`` 1 when the headers differ; rows two
-    ranks wrote are zeroed in the caches of ``tiles``' entries. ``sync_label``: the label a
-    header that differs is reported under (-1: none)."""
+    ranks wrote are zeroed in the caches of ``tiles``' entries."""
     segs = tiles.extra["segs"]
-    max_rows = int(tiles.extra["max_rows"])
-    per_rank = max(1, -(-max_rows // CHECK_ROWS))
+    per_rank = max(1, -(-int(tiles.extra["max_rows"]) // CHECK_ROWS))
     kernels().check_kernel[(segs.shape[0], world * per_rank)](
         chunks.anchor, chunks.offset, chunks.stride, chunks.half,
         chunks.counters if chunks.counters is not None else segs, segs, tiles.extra["flags"],
         tiles.extra["verdict"], tiles.table, tiles.num_entries, device_checks.status(chunks.anchor.device), me,
-        world, head_len, int(conflicts), per_rank, sync_label, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS,
-        BLOCK_K=min(_pow2(max_rows, CHECK_ROWS), 128),
-        **_header_tile(world, head_len, chunks.anchor.data_ptr(), chunks.offset, chunks.stride, chunks.half),
-        SLOTS8=bool(tiles.extra["segment_slots8"]))
+        world, head_len, int(conflicts), per_rank, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS, BLOCK_K=CHECK_ROWS,
+        BLOCK_H=256)
 
 
 def check_tables(segments: Sequence[tuple[int, int, int, int]], world: int) -> dict:
@@ -377,70 +345,25 @@ def check_tables(segments: Sequence[tuple[int, int, int, int]], world: int) -> d
         at += world * n
     return {"segs": torch.tensor(rows or [[0, 0, 0, 0, 8]], dtype=torch.int64),
             "flags": torch.zeros(max(at, 1), dtype=torch.uint8), "verdict": torch.zeros(1, dtype=torch.int32),
-            "max_rows": max((n for n, _, _, _ in segments), default=0),
-            "segment_slots8": all(align % 8 == 0 for _, _, _, align in segments)}
+            "max_rows": max((n for n, _, _, _ in segments), default=0)}
 
 
 def scatter(buf: torch.Tensor, tiles: TileTable) -> None:
-    """Run a scatter table: rows from ``buf`` into the caches (flags from :func:`check`, for the
-    entries that have them: ``tiles.extra["checked"]``; ``tiles.extra["slots8"]``: every
-    entry's slots are 8-aligned)."""
+    """Run a scatter table: rows from ``buf`` into the caches (flags from :func:`check`)."""
     if tiles.num_tiles:
         flags = tiles.extra.get("flags", buf)
         kernels().scatter_kernel[(tiles.num_tiles,)](buf, tiles.table, tiles.tiles, flags,
-                                                     device_checks.status(buf.device), ENTRY=TILE_FIELDS,
-                                                     BLOCK=tiles.shape.block,
-                                                     SLOTS8=bool(tiles.extra.get("slots8", False)),
-                                                     FLAGS=bool(tiles.extra.get("checked", True)),
-                                                     num_warps=tiles.shape.warps)
-
-
-def scatter_extra(entries: Sequence[Sequence[int]]) -> dict:
-    """What :func:`scatter` specialises on, from a scatter table's entries."""
-    return {"slots8": all(e[12] % 8 == 0 for e in entries), "checked": any(e[14] >= 0 for e in entries)}
-
-
-@dataclass(frozen=True)
-class PeerChecks:
-    """What the peer-store launch checks after its barrier: every rank's header of ``head_len``
-    bytes, with ``conflicts`` every slot segment of the table's ``extra["segs"]``; a header that
-    differs is reported under ``sync_label``."""
-
-    head_len: int
-    conflicts: bool
-    sync_label: int
-
-
-def sync_label(transport: str, labels: Sequence[str]) -> int:
-    """The label a sync's header error is reported under: the sync, by its caches' sites."""
-    more = f" and {len(labels) - 1} more caches" if len(labels) > 1 else ""
-    return device_checks.label(f"{transport} sync of {labels[0] if labels else 'no cache'}{more}")
-
-
-def fused_check_fits(tiles: TileTable) -> bool:
-    """Whether the peer-store launch can check this table itself (:data:`FUSED_CHECK_ROWS`)."""
-    return int(tiles.extra.get("max_rows", 0)) <= FUSED_CHECK_ROWS
+                                                     device_checks.status(buf.device),
+                                                     ENTRY=TILE_FIELDS, BLOCK=BLOCK)
 
 
 def peer_store(tiles: TileTable, args: list[torch.Tensor], mailbox: torch.Tensor, mailbox_deltas: torch.Tensor,
-               counters: torch.Tensor, me: int, world: int, capacity: int, limit: int,
-               checks: PeerChecks | None = None, stages: int = 3) -> None:
+               counters: torch.Tensor, me: int, world: int, capacity: int, limit: int) -> None:
     """Run a peer-store table, then the epoch barrier (bounded by ``limit``: ns on the device,
-    spins when interpreting), then, with ``checks`` (a table :func:`fused_check_fits`), the checks
-    on the mailbox, in the same launch. ``stages``: 1 the stores only, 2 the barrier and checks
-    only, 3 both (see ``peer_kernel``)."""
-    segs = tiles.extra["segs"]
-    rows = _pow2(tiles.extra.get("max_rows", 0)) if checks else 1
+    spins when interpreting)."""
     kernels().peer_kernel[(tiles.num_tiles,)](
         tiles.table, tiles.tiles, *args, mailbox, mailbox_deltas, counters, device_checks.status(mailbox.device),
-        me, world, capacity, limit, stages, segs, segs.shape[0], tiles.num_entries,
-        checks.head_len if checks else 0, int(bool(checks and checks.conflicts)), checks.sync_label if checks else -1,
-        ENTRY=TILE_FIELDS, BLOCK=tiles.shape.block, USE_TIMER=not _interpreting(), CHECK=checks is not None,
-        num_warps=tiles.shape.warps,
-        **_header_tile(world, checks.head_len if checks else 1, MAILBOX_FLAGS, capacity, mailbox.data_ptr(),
-                       tiles.table.data_ptr()),
-        NP=rows, CN=rows if rows <= 32 else 8,
-        SLOTS8=bool(checks and tiles.extra["segment_slots8"]))
+        me, world, capacity, limit, ENTRY=TILE_FIELDS, BLOCK=BLOCK, USE_TIMER=not _interpreting())
 
 
 #: (device, checks) -> device table of input_kernel

@@ -2,11 +2,10 @@
 Triton mode: ``triton.jit`` decides between compiling and interpreting when it decorates).
 
 Tile kernels (``pack_kernel``, ``scatter_kernel``, ``peer_kernel``) run one program per tile: a
-range of ``BLOCK`` words of one table entry (each tile row holds a copy of its entry, then its
-first word: one load round before the addresses, not two), a word being ``width`` bytes (16, 8,
-4, 2 or 1: the widest that every address of the entry allows, chosen on the host). A word ``w`` of
-an entry is byte ``(w % wpr) * width`` of row ``w // wpr``, so one program moves many rows, and a
-16-byte word is one vector load and one vector store per lane. Every address is taken relative to an aligned
+range of ``BLOCK`` words of one table entry, a word being ``width`` bytes (16, 8, 4, 2 or 1: the
+widest that every address of the entry allows, chosen on the host). A word ``w`` of an entry is
+byte ``(w % wpr) * width`` of row ``w // wpr``, so one program moves many rows, and a 16-byte word
+is one vector load and one vector store per lane. Every address is taken relative to an aligned
 pointer argument (``anchor``) so the compiler can prove the alignment and emit 16-byte accesses.
 
 Entry fields (int64; ``row_kernels.Entry`` builds them):
@@ -75,7 +74,6 @@ S_EPOCH = tl.constexpr(status_words.EPOCH)
 S_INPUT = tl.constexpr(status_words.INPUT)
 S_INPUT_VALUE = tl.constexpr(status_words.INPUT_VALUE)
 S_OUT_OF_STEP = tl.constexpr(status_words.OUT_OF_STEP)
-S_HEADER_LABEL = tl.constexpr(status_words.HEADER_LABEL)
 
 #: a row's check flag: 0 apply it, 1 its slot has two owners (zeroed), 2 the headers differ
 CONFLICT = tl.constexpr(1)
@@ -93,16 +91,6 @@ MOST_NEGATIVE = tl.constexpr(-9223372036854775807)
 @triton.jit
 def _max2(a, b):
     return tl.maximum(a, b)
-
-
-@triton.jit
-def _min2(a, b):
-    return tl.minimum(a, b)
-
-
-@triton.jit
-def _smallest(x, axis):
-    return tl.reduce(x, axis, _min2)
 
 
 @triton.jit
@@ -268,10 +256,10 @@ def _pack_tile(entry, first, out, anchor, x0, x1, x2, x3, x4, x5, x6, x7, status
 @triton.jit
 def pack_kernel(out, table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, status, me,
                 ENTRY: tl.constexpr, BLOCK: tl.constexpr):
-    """Program t: tile ``tiles[t] = (entry..., first word)``; padding rows (slot -1) pack zeros."""
+    """Program t: tile ``tiles[t] = (entry, first word)``; padding rows (slot -1) pack zeros."""
     t = tl.program_id(0)
-    entry = tiles + t * (ENTRY + 1)  # the tile's copy of its entry, then its first word
-    first = tl.load(entry + ENTRY)
+    entry = table + tl.load(tiles + 2 * t) * ENTRY
+    first = tl.load(tiles + 2 * t + 1)
     width = tl.load(entry + F_WIDTH)
     if width == 16:
         _pack_tile(entry, first, out, table, x0, x1, x2, x3, x4, x5, x6, x7, status, me, 16, BLOCK)
@@ -291,68 +279,37 @@ def pack_kernel(out, table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, status, me,
 
 
 @triton.jit
-def _header_words(anchor, HW: tl.constexpr):
-    """``anchor`` as a pointer to HW-byte words."""
-    if HW == 8:
-        return anchor.to(tl.pointer_type(tl.int64), bitcast=True)
-    elif HW == 4:
-        return anchor.to(tl.pointer_type(tl.int32), bitcast=True)
-    elif HW == 2:
-        return anchor.to(tl.pointer_type(tl.int16), bitcast=True)
-    else:
-        return anchor.to(tl.pointer_type(tl.uint8), bitcast=True)
-
-
-@triton.jit
-def _headers_differ(anchor, base, stride, me, world, head_len, WP: tl.constexpr, HB: tl.constexpr,
-                    HW: tl.constexpr):
+def _headers_differ(base, stride, me, world, head_len, BLOCK: tl.constexpr):
     """The first rank whose header bytes (rank r's chunk at ``base + r * stride``) differ from
-    this rank's, -1 if none. Every rank's header is loaded at once: ``[WP, HB]`` independent loads
-    of HW-byte words (WP >= world; HW divides ``base - anchor``, ``stride`` and ``head_len``; one
-    round for a header of at most ``HB * HW`` bytes)."""
-    words = _header_words(anchor, HW)
-    first = (base - anchor.to(tl.int64)) // HW
-    n = head_len // HW
-    step = stride // HW
-    r = tl.arange(0, WP)
-    found = tl.full([], WP, tl.int32)
-    for h in range(0, n, HB):
-        o = h + tl.arange(0, HB)
-        m = o < n
-        mine = tl.load(words + (first + me * step) + o, mask=m, other=0)
-        at = first + r.to(tl.int64)[:, None] * step + o[None, :]
-        theirs = tl.load(words + at, mask=(r < world)[:, None] & m[None, :], other=0)
-        differ = _largest((theirs != mine[None, :]).to(tl.int32), axis=1)
-        found = tl.minimum(found, _smallest(tl.where((differ > 0) & (r < world), r, WP), axis=0))
-    return tl.where(found < WP, found, -1)
+    this rank's, -1 if none. Every rank's header is loaded at once (independent loads)."""
+    found = -1
+    mine_at = (base + me * stride).to(tl.pointer_type(tl.uint8))
+    for r in range(world):
+        theirs_at = (base + r * stride).to(tl.pointer_type(tl.uint8))
+        for h in range(0, head_len, BLOCK):
+            o = h + tl.arange(0, BLOCK)
+            m = o < head_len
+            differ = tl.load(theirs_at + o, mask=m, other=0) != tl.load(mine_at + o, mask=m, other=0)
+            if (found < 0) & (_largest(differ.to(tl.int32), axis=0) > 0):
+                found = r
+    return found
 
 
 @triton.jit
-def _rank_slots(anchor, at, i, n, align, SLOTS8: tl.constexpr):
-    """Slots ``i`` (< n; -1 elsewhere) of the int64 slots at byte address ``at``: one int64 load
-    each, by a 32-bit index, when ``SLOTS8`` (``at`` 8-aligned), else ``_slot_at``."""
-    if SLOTS8:
-        first = anchor.to(tl.pointer_type(tl.int64), bitcast=True) + (at - anchor.to(tl.int64)) // 8
-        return tl.load(first + i, mask=i < n, other=-1)
-    else:
-        return _slot_at(anchor, at + 8 * i.to(tl.int64), i < n, align)
-
-
-@triton.jit
-def _conflicting_rows(anchor, slots_at, align, rank, world, stride, n, i, BLOCK_K: tl.constexpr,
-                      SLOTS8: tl.constexpr):
-    """Rank ``rank``'s slots of rows ``i`` (-1 from row n on; rank r's slots start at ``slots_at +
-    r * stride``) and, per row, 1 when another rank holds the same slot (>= 0) in the same segment."""
-    mine = _rank_slots(anchor, slots_at + rank * stride, i, n, align, SLOTS8)
+def _conflicting_rows(anchor, slots_at, align, rank, world, stride, n, i, mi, BLOCK_K: tl.constexpr):
+    """Rank ``rank``'s slots of rows ``i`` (rank r's slots start at ``slots_at + r * stride``) and,
+    per row, 1 when another rank holds the same slot (>= 0) in the same segment."""
+    mine = _slot_at(anchor, slots_at + rank * stride + 8 * i.to(tl.int64), mi, align)
     hit = tl.full(i.shape, 0, tl.int32)
     for other in range(world):
         if other != rank:
             for k0 in range(0, n, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
-                theirs = _rank_slots(anchor, slots_at + other * stride, k, n, align, SLOTS8)
-                eq = (mine[:, None] == theirs[None, :]) & (mine[:, None] >= 0)
+                mk = k < n
+                theirs = _slot_at(anchor, slots_at + other * stride + 8 * k.to(tl.int64), mk, align)
+                eq = (mine[:, None] == theirs[None, :]) & mk[None, :] & (mine[:, None] >= 0)
                 hit = hit | _largest(eq.to(tl.int32), axis=1)
-    return mine, hit
+    return mine, hit & mi.to(tl.int32)
 
 
 @triton.jit
@@ -375,9 +332,8 @@ def _zero_rows(table, num_entries, anchor, segment, slot, rows, ENTRY: tl.conste
 
 @triton.jit
 def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdict, table, num_entries, status,
-                 me, world, head_len, conflicts, chunks_per_rank, sync_label,
-                 ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WP: tl.constexpr,
-                 HB: tl.constexpr, HW: tl.constexpr, SLOTS8: tl.constexpr):
+                 me, world, head_len, conflicts, chunks_per_rank,
+                 ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
     """After an exchange, on every rank: headers equal, one owner per slot.
 
     Rank r's chunk (header, then segments) lies at ``anchor + base_offset + r * stride`` (the
@@ -395,11 +351,11 @@ def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdi
     seg = segs + 5 * j
     n = tl.load(seg).to(tl.int32)
     base = anchor.to(tl.int64) + base_offset + (tl.load(counters) % 2) * half
-    differs = _headers_differ(anchor, base, stride, me, world, head_len, WP, HB, HW)
+    differs = _headers_differ(base, stride, me, world, head_len, BLOCK_H)
     if (j == 0) & (q == 0):
         tl.store(verdict, (differs >= 0).to(tl.int32))
         if differs >= 0:
-            _report_header(status, differs, sync_label)
+            tl.store(status + S_HEADER, differs + 1)
     mi = i < n
     flag_at = flags + tl.load(seg + 2) + r * n + i
     if differs >= 0:
@@ -408,27 +364,13 @@ def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdi
         tl.store(flag_at, 0, mask=mi)
     else:
         slots_at = base + tl.load(seg + 3)
-        slot, hit = _conflicting_rows(anchor, slots_at, tl.load(seg + 4), r, world, stride, n, i, BLOCK_K, SLOTS8)
+        slot, hit = _conflicting_rows(anchor, slots_at, tl.load(seg + 4), r, world, stride, n, i, mi, BLOCK_K)
         tl.store(flag_at, hit.to(tl.uint8), mask=mi)
-        _settle_conflicts(table, num_entries, anchor, status, seg, j, r, slot, hit, ENTRY, 64)
-
-
-@triton.jit
-def _report_header(status, differs, sync_label):
-    tl.store(status + S_HEADER_LABEL, sync_label + 1)
-    tl.store(status + S_HEADER, differs + 1)
-
-
-@triton.jit
-def _settle_conflicts(table, num_entries, anchor, status, seg, j, r, slot, hit, ENTRY: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
-    """Rows of rank ``r`` (at ``slot``) that another rank wrote too (``hit``): reported, and zeroed
-    in this rank's caches (every rank does the same), ``BLOCK_C`` bytes a row at a time."""
-    if _largest(hit, axis=0) > 0:
-        tl.store(status + S_CONFLICT_SLOT, _largest(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
-        tl.store(status + S_CONFLICT_RANK, r)
-        tl.store(status + S_CONFLICT, tl.load(seg + 1) + 1)
-        _zero_rows(table, num_entries, anchor, j, slot, hit > 0, ENTRY, BLOCK_C)
+        if _largest(hit, axis=0) > 0:
+            tl.store(status + S_CONFLICT_SLOT, _largest(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
+            tl.store(status + S_CONFLICT_RANK, r)
+            tl.store(status + S_CONFLICT, tl.load(seg + 1) + 1)
+            _zero_rows(table, num_entries, anchor, j, slot, hit > 0, ENTRY, 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,44 +379,36 @@ def _settle_conflicts(table, num_entries, anchor, status, seg, j, r, slot, hit, 
 
 
 @triton.jit
-def _scatter_tile(entry, first, buf, anchor, flags, status, W: tl.constexpr, BLOCK: tl.constexpr,
-                  SLOTS8: tl.constexpr, FLAGS: tl.constexpr):
+def _scatter_tile(entry, first, buf, anchor, flags, status, W: tl.constexpr, BLOCK: tl.constexpr):
     row, col, live = _words(entry, first, BLOCK)
     slot_addr = buf.to(tl.int64) + tl.load(entry + F_SLOT) + row.to(tl.int64) * 8
-    if SLOTS8:  # every entry's slots 8-aligned: one int64 load a word
-        slots = anchor.to(tl.pointer_type(tl.int64), bitcast=True)
-        slot = tl.load(slots + (slot_addr - anchor.to(tl.int64)) // 8, mask=live, other=-1)
-    else:
-        slot = _slot_at(anchor, slot_addr, live, tl.load(entry + F_ARG))
+    slot = _slot_at(anchor, slot_addr, live, tl.load(entry + F_ARG))
     valid, safe = _checked_slots(entry, slot, live, status, tl.load(entry + F_RANK))
+    flag_at = tl.load(entry + F_CHECK)
+    skip = tl.load(flags + flag_at + row, mask=live & (flag_at >= 0), other=0) != 0
     src = buf.to(tl.int64) + tl.load(entry + F_BUF) + row.to(tl.int64) * tl.load(entry + F_BPR) + col * W
-    apply = valid
-    if FLAGS:
-        flag_at = tl.load(entry + F_CHECK)
-        apply = valid & (tl.load(flags + flag_at + row, mask=live & (flag_at >= 0), other=0) == 0)
+    apply = valid & ~skip
     _move(anchor, src, _cache_address(entry, safe, col, W), apply, apply, W)
 
 
 @triton.jit
-def scatter_kernel(buf, table, tiles, flags, status, ENTRY: tl.constexpr, BLOCK: tl.constexpr,
-                   SLOTS8: tl.constexpr, FLAGS: tl.constexpr):
-    """Program t: tile ``tiles[t] = (entry..., first word)`` of rows another rank sent; rows whose
-    check flag is set (two owners: zeroed by ``check_kernel``; headers differ) are skipped.
-    ``SLOTS8``: every entry's slots are 8-aligned in ``buf``; ``FLAGS``: the entries have flags."""
+def scatter_kernel(buf, table, tiles, flags, status, ENTRY: tl.constexpr, BLOCK: tl.constexpr):
+    """Program t: tile ``tiles[t] = (entry, first word)`` of rows another rank sent; rows whose
+    check flag is set (two owners: zeroed by ``check_kernel``; headers differ) are skipped."""
     t = tl.program_id(0)
-    entry = tiles + t * (ENTRY + 1)  # the tile's copy of its entry, then its first word
-    first = tl.load(entry + ENTRY)
+    entry = table + tl.load(tiles + 2 * t) * ENTRY
+    first = tl.load(tiles + 2 * t + 1)
     width = tl.load(entry + F_WIDTH)
     if width == 16:
-        _scatter_tile(entry, first, buf, table, flags, status, 16, BLOCK, SLOTS8, FLAGS)
+        _scatter_tile(entry, first, buf, table, flags, status, 16, BLOCK)
     elif width == 8:
-        _scatter_tile(entry, first, buf, table, flags, status, 8, BLOCK, SLOTS8, FLAGS)
+        _scatter_tile(entry, first, buf, table, flags, status, 8, BLOCK)
     elif width == 4:
-        _scatter_tile(entry, first, buf, table, flags, status, 4, BLOCK, SLOTS8, FLAGS)
+        _scatter_tile(entry, first, buf, table, flags, status, 4, BLOCK)
     elif width == 2:
-        _scatter_tile(entry, first, buf, table, flags, status, 2, BLOCK, SLOTS8, FLAGS)
+        _scatter_tile(entry, first, buf, table, flags, status, 2, BLOCK)
     else:
-        _scatter_tile(entry, first, buf, table, flags, status, 1, BLOCK, SLOTS8, FLAGS)
+        _scatter_tile(entry, first, buf, table, flags, status, 1, BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,97 +506,38 @@ def _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, U
 
 
 @triton.jit
-def _any_conflict(anchor, slots_at, align, stride, world, n, NP: tl.constexpr, CN: tl.constexpr,
-                  SLOTS8: tl.constexpr):
-    """1 when two ranks hold the same slot (>= 0) among the ``n <= NP`` slots of a segment (rank
-    r's at ``slots_at + r * stride``), or when a slot is below -1 (out of range: the caller then
-    goes row by row). Per pair of ranks, ``[CN, NP]`` compares in a loop (few registers: they
-    count for the store tiles of the same kernel too); rank r's slots are loaded whole first, so
-    the chunks the loop loads come from L1."""
-    k = tl.arange(0, NP)
-    hit = tl.full([CN], 0, tl.int32)
-    for r in range(world):
-        for q in range(r + 1, world):
-            theirs = _rank_slots(anchor, slots_at + q * stride, k, n, align, SLOTS8)
-            mine_all = _rank_slots(anchor, slots_at + r * stride, k, n, align, SLOTS8)
-            hit = hit | (_smallest(tl.minimum(mine_all, theirs), axis=0) < -1).to(tl.int32)
-            for c0 in range(0, n, CN):
-                mine = _rank_slots(anchor, slots_at + r * stride, c0 + tl.arange(0, CN), n, align, SLOTS8)
-                eq = (mine[:, None] == theirs[None, :]) & (mine[:, None] >= 0)
-                hit = hit | _largest(eq.to(tl.int32), axis=1)
-    return _largest(hit, axis=0)
-
-
-@triton.jit
-def _check_mailbox(table, num_entries, base, stride, segs, num_segs, status, me, world, head_len, conflicts,
-                   sync_label, ENTRY: tl.constexpr, WP: tl.constexpr, HB: tl.constexpr, HW: tl.constexpr,
-                   NP: tl.constexpr, CN: tl.constexpr, SLOTS8: tl.constexpr):
-    """``check_kernel``'s checks in the program that passed the barrier (every segment of at most
-    NP rows per rank): headers, then, when they agree, one owner per slot; rows in conflict are
-    reported and zeroed in this rank's caches, as ``check_kernel`` does."""
-    differs = _headers_differ(table, base, stride, me, world, head_len, WP, HB, HW)
-    if differs >= 0:
-        _report_header(status, differs, sync_label)
-    elif conflicts != 0:
-        for j in range(num_segs):
-            seg = segs + 5 * j
-            n = tl.load(seg).to(tl.int32)
-            slots_at = base + tl.load(seg + 3)
-            align = tl.load(seg + 4)
-            if _any_conflict(table, slots_at, align, stride, world, n, NP, CN, SLOTS8) > 0:
-                # an error: row by row in small tiles (their registers count for the whole kernel)
-                for r in range(world):
-                    for i0 in range(0, n, 8):
-                        i = i0 + tl.arange(0, 8)
-                        slot, hit = _conflicting_rows(table, slots_at, align, r, world, stride, n, i, 8, SLOTS8)
-                        _settle_conflicts(table, num_entries, table, status, seg, j, r, slot, hit, ENTRY, 16)
-
-
-@triton.jit
 def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_deltas, counters, status,
-                me, world, capacity, limit, stages, segs, num_segs, num_entries, head_len, conflicts, sync_label,
-                ENTRY: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr, CHECK: tl.constexpr,
-                WP: tl.constexpr, HB: tl.constexpr, HW: tl.constexpr, NP: tl.constexpr, CN: tl.constexpr,
-                SLOTS8: tl.constexpr):
+                me, world, capacity, limit, ENTRY: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr):
     """Program t stores tile ``tiles[t]`` into every peer; the last program to finish raises the
-    epoch flag in every peer's mailbox, waits for theirs and, with ``CHECK``, checks every rank's
-    header and slots in this rank's mailbox (:func:`_check_mailbox`): one launch per sync.
+    epoch flag in every peer's mailbox and waits for theirs (``check_kernel`` then checks).
 
     ``counters``: [epoch, programs arrived] in this rank's memory. The epoch of this call is
     ``counters[0] + 1`` for every program: only the last program advances it, after all arrived.
     Mailbox chunks alternate between two halves by epoch parity, so a peer one sync ahead never
-    overwrites a chunk this rank still reads. ``stages``: 1 the stores, 2 the barrier and checks,
-    3 both (a simulation of several ranks in one process runs them apart).
+    overwrites a chunk this rank still reads.
     """
     t = tl.program_id(0)
-    entry = tiles + t * (ENTRY + 1)  # the tile's copy of its entry, then its first word
-    first = tl.load(entry + ENTRY)
+    entry = table + tl.load(tiles + 2 * t) * ENTRY
+    first = tl.load(tiles + 2 * t + 1)
     epoch = tl.load(counters) + 1
-    chunks = mailbox.to(tl.int64) + MAILBOX_FLAGS + (epoch % 2) * world * capacity
-    chunk_addr = chunks + me * capacity
+    chunk_addr = mailbox.to(tl.int64) + MAILBOX_FLAGS + ((epoch % 2) * world + me) * capacity
     width = tl.load(entry + F_WIDTH)
-    if stages % 2 == 1:
-        if width == 16:
-            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 16, BLOCK)
-        elif width == 8:
-            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 8, BLOCK)
-        elif width == 4:
-            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 4, BLOCK)
-        elif width == 2:
-            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 2, BLOCK)
-        else:
-            _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 1, BLOCK)
+    if width == 16:
+        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 16, BLOCK)
+    elif width == 8:
+        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 8, BLOCK)
+    elif width == 4:
+        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 4, BLOCK)
+    elif width == 2:
+        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 2, BLOCK)
+    else:
+        _peer_tile(entry, first, table, x0, x1, x2, x3, x4, x5, x6, x7, chunk_addr, status, me, world, 1, BLOCK)
     tl.debug_barrier()
     done = tl.atomic_add(counters + 1, 1, sem="acq_rel", scope="sys")
     if done == tl.num_programs(0) - 1:
         tl.store(counters + 1, 0)
-        if stages >= 2:
-            tl.store(counters, epoch)
-            arrived = _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, USE_TIMER)
-            if CHECK:
-                if arrived != 0:
-                    _check_mailbox(table, num_entries, chunks, capacity, segs, num_segs, status, me, world,
-                                   head_len, conflicts, sync_label, ENTRY, WP, HB, HW, NP, CN, SLOTS8)
+        tl.store(counters, epoch)
+        _signal_and_wait(mailbox, mailbox_deltas, epoch, status, me, world, limit, USE_TIMER)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -368,7 +368,7 @@ def scatter_rows_all(
                         arg=row_kernels.word_width(gathered.data_ptr() + slots_offset, 8), label=what,
                         check=flag_base[j] + r * n if checks else -1, rank=r, segment=j,
                         aligned_with=(gathered.data_ptr(), rows_offset + piece.packed, lay.bytes_per_row)))
-        return entries, {**extra, **row_kernels.scatter_extra(entries)}
+        return entries, extra
 
     # a cached segment table is identified by its address; any other is identified by its values
     where = index.data_ptr() if host_known else str(table)
@@ -377,7 +377,7 @@ def scatter_rows_all(
     tiles = row_kernels.tile_table(key, gathered.device, build)
     if checks:
         row_kernels.check(row_kernels.Chunks(gathered, 0, chunk), tiles, me, world, header_bytes(index.shape[1]),
-                          check_conflicts, row_kernels.sync_label("all-gather", labels))
+                          check_conflicts)
     row_kernels.scatter(gathered, tiles)
 
 

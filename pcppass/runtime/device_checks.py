@@ -23,7 +23,7 @@ Status words (int64; 0 = nothing recorded)
 =========  ==============================================================================
 word       meaning
 =========  ==============================================================================
-HEADER     1 + the rank whose sync header differs from this rank's; HEADER_LABEL (1 + the sync's label)
+HEADER     1 + the rank whose sync header differs from this rank's
 RANGE      1 + the label of the cache written at a slot out of range; RANGE_SLOT, RANGE_RANK
 CONFLICT   1 + the label of the cache whose slot two ranks wrote; CONFLICT_SLOT, CONFLICT_RANK
 TIMEOUT    1 + the peer that did not reach the sync barrier in time; EPOCH (the barrier's number)
@@ -45,7 +45,6 @@ from pcppass.errors import PcpInputError, PcpSyncError
 HEADER, RANGE, RANGE_SLOT, RANGE_RANK = 0, 1, 2, 3
 CONFLICT, CONFLICT_SLOT, CONFLICT_RANK = 4, 5, 6
 TIMEOUT, EPOCH, INPUT, INPUT_VALUE, OUT_OF_STEP = 7, 8, 9, 10, 11
-HEADER_LABEL = 12
 WORDS = 16
 
 _lock = threading.Lock()
@@ -95,10 +94,8 @@ def _message(words: list[int]) -> tuple[type[Exception], str]:
         problems.append(f"{label_text(words[INPUT] - 1)} holds slot {words[INPUT_VALUE]}, outside the "
                         "cache's range (checked on the device before the step wrote)")
     if words[HEADER]:
-        sync = f"{label_text(words[HEADER_LABEL] - 1)}: " if words[HEADER_LABEL] > 0 else ""
-        problems.append(f"{sync}rank {words[HEADER] - 1}'s sync header differs from this rank's (graph fingerprint or "
-                        "segment sizes): the ranks run different step graphs; an all-gather applies none of those rows, "
-                        "peer stores had stored them before the check")
+        problems.append(f"rank {words[HEADER] - 1}'s sync header differs from this rank's (graph fingerprint or "
+                        "segment sizes): the ranks run different step graphs; no rank applied those rows")
     if words[RANGE]:
         problems.append(f"{label_text(words[RANGE] - 1)}: rank {_rank(words[RANGE_RANK])} wrote slot "
                         f"{words[RANGE_SLOT]}, outside the cache; no replica stored that row")
