@@ -130,6 +130,8 @@ class PcpBackend:
         self.inner: Inner = inner
         self.name = name or schedule
         self.reports: list[CompileReport] = []
+        #: calls of this backend's sharded graphs (each compiled step counts itself)
+        self.calls = 0
         #: what the previous call of any of this backend's graphs returned (the rebinding check)
         self.history = StepHistory()
         #: set by a runner that already shards decode on the strength of earlier compiles: a later
@@ -210,7 +212,17 @@ class PcpBackend:
             compiled = device_checks.checking(compiled, device, validator and DeviceSlotChecks.of(validator))
         elif validator is not None:
             compiled = validating(compiled, validator)
-        return fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch)
+        return self._counting(fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch))
+
+    def _counting(self, step: Callable) -> Callable:
+        """``step`` that counts its calls in :attr:`calls` (an engine can tell that Dynamo ran a
+        sharded step without any of this backend's graphs)."""
+
+        def run(*args: Any) -> Any:
+            self.calls += 1
+            return step(*args)
+
+        return run
 
     def _refuse_if_sharded_only(self, report: CompileReport) -> None:
         if self.sharded_only:

@@ -119,10 +119,14 @@ class ShardedRunner:
         world = self._world()
         SYNC_COUNTERS.take()
         before = self._state_identity(caches) if world > 1 else None
+        calls = self.backends[step_kind].calls
         try:
+            if self.sharding:
+                refuse_if_dynamo_runs_eagerly(step_kind)
             hidden = self._run(self._graphs[step_kind], input_ids, positions, meta, caches)
             if before is not None:
                 self._check_new_reports(step_kind)
+                self._check_graph_ran(step_kind, calls)
                 if not self.replicated:
                     self._check_state_identity(before, self._state_identity(caches), step_kind,
                                                group_rank(self.group))
@@ -145,6 +149,19 @@ class ShardedRunner:
             if isinstance(inner, PcpError):
                 raise inner from None
             raise
+
+    def _check_graph_ran(self, step_kind: str, calls_before: int) -> None:
+        """While decode is sharded, each step must have run one of the backend's sharded graphs:
+        if Dynamo ran the model eagerly instead (disabled or an eager stance set in a way the
+        check before the step cannot see), its writes were never synchronised."""
+        if not self.sharding or self.backends[step_kind].calls > calls_before:
+            return
+        raise PcpSyncError(
+            f"pcppass: the {step_kind} step ran without its compiled graph (Dynamo ran the model "
+            "eagerly: torch._dynamo disabled, an eager compiler stance, or a frame it skipped): "
+            "this rank's rows were written and not synchronised, so the replicas may differ from "
+            "here on. Restart from state saved before this step, with Dynamo compiling."
+        )
 
     def _world(self) -> int:
         if not (dist.is_available() and dist.is_initialized()):
@@ -213,6 +230,30 @@ class ShardedRunner:
         for backend in self.backends.values():
             backend.sharded_only = self.sharding
         return self.sharding
+
+
+#: compiler stances under which Dynamo calls the backend for every frame it would otherwise compile
+_COMPILING_STANCES = ("default", "fail_on_recompile")
+
+
+def refuse_if_dynamo_runs_eagerly(step_kind: str) -> None:
+    """Raise before a sharded step that Dynamo would run eagerly, with no backend and no sync:
+    ``torch._dynamo.config.disable`` (``TORCHDYNAMO_DISABLE=1``) or a compiler stance that runs
+    frames, or recompiles, eagerly (``torch.compiler.set_stance("force_eager")``,
+    ``"eager_on_recompile"``, ``"eager_then_compile"``, or any stance this check does not know)."""
+    reason = None
+    if torch._dynamo.config.disable:
+        reason = "torch._dynamo.config.disable is set (TORCHDYNAMO_DISABLE)"
+    else:
+        stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", None)
+        if stance not in _COMPILING_STANCES:
+            reason = f"the compiler stance is {stance!r} (torch.compiler.set_stance)"
+    if reason is not None:
+        raise PcpSyncError(
+            f"pcppass: refusing to run the {step_kind} step sharded: {reason}, so Dynamo may run "
+            "the model eagerly, without the synchronised graph, and each rank would keep only its "
+            "own rows. Nothing was written. Run with Dynamo compiling (the default stance)."
+        )
 
 
 def sharded_engine(

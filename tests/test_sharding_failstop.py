@@ -148,7 +148,7 @@ class RebindingModel(nn.Module):
         _kv(x, slots, caches["k"], caches["v"])
         if self.rebind == "cache":
             caches["extra"] = caches["extra"].index_copy(0, slots.clamp(min=0), x)
-        else:
+        elif self.rebind == "buffer":
             self.steps = self.steps + x.shape[0]
         return x
 
@@ -161,6 +161,31 @@ def _rebind(rank: int, rebind: str) -> dict:
     caches = {"k": torch.zeros(NB, BS, H, D), "v": torch.zeros(NB, BS, H, D), "extra": torch.zeros(NB * BS, H * D)}
     ids = torch.tensor([3, 4]) + rank
     return _outcome(runner, ids, ids, {"slots": torch.tensor([5, 6]) + 2 * rank}, caches, "decode")
+
+
+# -- Dynamo running a sharded step eagerly ------------------------------------------------------
+
+def _eager_run(rank: int, how: str) -> dict:
+    """After a sharded step, the next one under an eager compiler stance (refused before it runs)
+    or run by a graph that is not the backend's (named after it ran)."""
+    from pcppass.sharded import ShardedRunner
+
+    model = RebindingModel("none")
+    runner = ShardedRunner(model, inner="eager")
+    runner.sharding = True  # what warm-up decides for a covered model
+    caches = {"k": torch.zeros(NB, BS, H, D), "v": torch.zeros(NB, BS, H, D)}
+    ids = torch.tensor([3, 4]) + rank
+    first = _outcome(runner, ids, ids, {"slots": torch.tensor([5, 6]) + 2 * rank}, caches, "decode")
+    before = [c.clone() for c in caches.values()]
+    step = (runner, ids, ids, {"slots": torch.tensor([9, 10]) + 2 * rank}, caches, "decode")
+    if how == "stance":
+        with torch.compiler.set_stance("force_eager"):
+            out = _outcome(*step)
+    else:
+        runner._graphs["decode"] = model  # Dynamo skipping the frame: the model runs as Python
+        out = _outcome(*step)
+    out.update(first=first, untouched=all(torch.equal(b, c) for b, c in zip(before, caches.values())))
+    return out
 
 
 # -- a recompile after warm-up that would run replicated ---------------------------------------
@@ -259,6 +284,8 @@ CASES = [
     ("break_replicate", lambda rank: _graph_break(rank, "replicate")),
     ("rebind_cache", lambda rank: _rebind(rank, "cache")),
     ("rebind_buffer", lambda rank: _rebind(rank, "buffer")),
+    ("eager_stance", lambda rank: _eager_run(rank, "stance")),
+    ("eager_graph", lambda rank: _eager_run(rank, "graph")),
     ("recompile_replicated", _recompile_replicated),
     ("one_rank_bad_slots", _one_rank_bad_slots),
     ("one_rank_recompile", _one_rank_recompile),
@@ -311,6 +338,24 @@ def test_state_rebound_outside_the_graph_is_named(outcomes):
         assert cache["error"] == "PcpSyncError" and "caches['extra']" in cache["message"], cache
         assert buffer["error"] == "PcpSyncError" and "buffer steps" in buffer["message"], buffer
         assert "caches['k']" not in cache["message"]
+
+
+@pytest.mark.timeout(420)
+def test_step_dynamo_would_run_eagerly_is_refused_before_it_writes(outcomes):
+    for rank, out in enumerate(o["eager_stance"] for o in outcomes):
+        assert out["first"]["error"] is None, out["first"]
+        assert out["error"] == "PcpSyncError", out
+        assert "compiler stance is 'force_eager'" in out["message"] and "Nothing was written" in out["message"]
+        assert out["untouched"], "the refused step wrote the caches"
+
+
+@pytest.mark.timeout(420)
+def test_step_run_without_the_backends_graph_is_named(outcomes):
+    for out in (o["eager_graph"] for o in outcomes):
+        assert out["first"]["error"] is None, out["first"]
+        assert out["error"] == "PcpSyncError", out
+        assert "ran without its compiled graph" in out["message"], out["message"]
+        assert not out["untouched"]  # it ran: the check names what happened, after the fact
 
 
 @pytest.mark.timeout(420)
