@@ -7,7 +7,8 @@ a case whose error aborts its group leaves the next case's group alone).
 * a re-run site reading a cache written before and after it: refused under the deferred schedule,
   exact under the immediate one;
 * two ranks writing one slot in one step: every rank raises the same error naming slot, ranks,
-  op, state and line, and the replicas are bitwise identical afterwards;
+  op, state and line, and the replicas are bitwise identical afterwards, also when a re-run site
+  splits the collective's scatters (eager and Inductor);
 * state rebound by the step (a module buffer, a cache dict entry): the backend refuses the next
   call, naming the state;
 * a custom op whose ``mutates_args`` omits the cache it writes: the state digest names the cache
@@ -129,6 +130,14 @@ def kv_step(x, slots, k_cache, v_cache):
     return x.sum(1)
 
 
+def split_by_rerun(h, slots, state, memory, k_cache, v_cache):
+    """Three sites in one deferred collective, whose scatters the re-run site splits in two
+    batches: the state rows (before the re-run), the re-run, the K/V rows (after it)."""
+    torch.ops.failclosed.save_state(h, state, slots)
+    torch.ops.failclosed.compress(state, memory, slots)
+    return kv_step(h, slots, k_cache, v_cache)
+
+
 def under_declared(x, slots, k_cache, v_cache, hidden_cache):
     y = torch.ops.failclosed.undeclared_write(x, hidden_cache, slots)
     return kv_step(y, slots, k_cache, v_cache)
@@ -224,6 +233,19 @@ def case_conflict(rank, group):
     return {"error": _error(lambda: step(_rows(H, rank), slots, *caches)), "caches": _bytes(*caches)}
 
 
+def case_conflict_split(rank, group, inner):
+    """A slot written by both ranks in a collective split by a re-run site: every batch and the
+    re-run still run on every rank before the error (the K/V rows after the re-run included)."""
+    caches = torch.zeros(NB, BS, W), torch.zeros(NB, BS, W), torch.zeros(NB, BS, 2, 4), torch.zeros(NB, BS, 2, 4)
+    slots = torch.tensor([5, 9]) if rank == 0 else torch.tensor([5, 3])  # slot 5 twice
+    torch._dynamo.reset()
+    step = torch.compile(split_by_rerun, backend=PcpBackend(group=group, inner=inner, schedule="deferred"),
+                         fullgraph=True)
+    error = _error(lambda: step(_rows(H, rank), slots, *caches))
+    written = [bool(c.flatten(1)[[3 // BS, 9 // BS]].any()) for c in caches]
+    return {"error": error, "caches": _bytes(*caches), "others_rows_arrived": written}
+
+
 def case_rebinding(rank, group, what):
     model = Rebinding(what)
     caches = {"k": torch.zeros(NB, BS, 2, 4), "v": torch.zeros(NB, BS, 2, 4),
@@ -271,6 +293,8 @@ CASES = {
     "hazard_deferred": (case_replay_hazard, "deferred"),
     "hazard_immediate": (case_replay_hazard, "immediate"),
     "conflict": (case_conflict,),
+    "conflict_split_eager": (case_conflict_split, "eager"),
+    "conflict_split_inductor": (case_conflict_split, "inductor"),
     "rebind_buffer": (case_rebinding, "buffer"),
     "rebind_dict": (case_rebinding, "dict"),
     "rebind_grow": (case_rebinding, "grow"),
@@ -323,6 +347,19 @@ def test_conflicting_slot_raises_everywhere_and_replicas_stay_identical(outcomes
     assert "test_rewrite_failclosed.py:" in errors[0]
     for a, b in zip(outcomes[0]["conflict"]["caches"], outcomes[1]["conflict"]["caches"]):
         assert a == b
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_conflict_in_a_collective_split_by_a_rerun_leaves_every_cache_identical(outcomes, inner):
+    cases = [o[f"conflict_split_{inner}"] for o in outcomes]
+    assert cases[0]["error"] == cases[1]["error"], [c["error"] for c in cases]
+    error = cases[0]["error"]
+    assert "PcpSyncError" in error and "slot 5 was written by ranks [0, 1]" in error, error
+    assert "failclosed::save_state" in error and "pcppass::reshape_and_cache_flash" in error, error
+    for name, a, b in zip(("state", "memory", "k_cache", "v_cache"), cases[0]["caches"], cases[1]["caches"]):
+        assert a == b, f"{name} differs across ranks after the error"
+    # the other rank's rows (slot 9 from rank 0, 3 from rank 1) reached every cache, K/V included
+    assert all(all(c["others_rows_arrived"]) for c in cases), cases
 
 
 @pytest.mark.parametrize("what, state", [("buffer", "steps"), ("dict", "['extra']"), ("grow", "['extra']")])

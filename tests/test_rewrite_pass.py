@@ -97,6 +97,8 @@ def _counts(gm):
         "wait": torch.ops._c10d_functional.wait_tensor.default,
         "header": torch.ops.pcppass.sync_read_header.default,
         "scatter": torch.ops.pcppass.sync_scatter_rows_all.default,
+        "scatter_quiet": torch.ops.pcppass.sync_scatter_rows_all_quiet.default,
+        "raise": torch.ops.pcppass.sync_raise_slot_problems.default,
         "unpack": torch.ops.pcppass.sync_unpack.default,
         "clone": torch.clone,
     }
@@ -104,8 +106,12 @@ def _counts(gm):
 
 
 @pytest.mark.parametrize("schedule, expected", [
-    ("deferred", {"pack": 1, "all_gather": 1, "wait": 1, "header": 1, "scatter": 2, "unpack": 2, "clone": 2}),
-    ("immediate", {"pack": 3, "all_gather": 3, "wait": 3, "header": 3, "scatter": 2, "unpack": 2, "clone": 0}),
+    # deferred: the re-run site splits the one collective's scatters in two batches, each a quiet
+    # scatter, and one raise of the slot checks' findings after both
+    ("deferred", {"pack": 1, "all_gather": 1, "wait": 1, "header": 1, "scatter": 0, "scatter_quiet": 2,
+                  "raise": 1, "unpack": 2, "clone": 2}),
+    ("immediate", {"pack": 3, "all_gather": 3, "wait": 3, "header": 3, "scatter": 2, "scatter_quiet": 0,
+                   "raise": 0, "unpack": 2, "clone": 0}),
 ])
 def test_sync_op_counts_and_order(schedule, expected):
     def rewrite(gm):
@@ -117,11 +123,14 @@ def test_sync_op_counts_and_order(schedule, expected):
     assert _counts(gm) == expected
     assert result.collectives == (1 if schedule == "deferred" else 3) and result.sites == 3
     order = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    scatter, rerun = torch.ops.pcppass.sync_scatter_rows_all.default, torch.ops.passtest.write_memory
-    first_scatter, second_scatter = [i for i, t in enumerate(order) if t is scatter]
+    scatters = (torch.ops.pcppass.sync_scatter_rows_all.default, torch.ops.pcppass.sync_scatter_rows_all_quiet.default)
+    rerun = torch.ops.passtest.write_memory
+    first_scatter, second_scatter = [i for i, t in enumerate(order) if t in scatters]
     reruns = [i for i, t in enumerate(order) if t in (rerun, rerun.default)]
     assert len(reruns) == 2  # the owner's call and the re-run on every rank's rows
     assert first_scatter < reruns[1] < second_scatter
+    raises = [i for i, t in enumerate(order) if t is torch.ops.pcppass.sync_raise_slot_problems.default]
+    assert all(i > second_scatter for i in raises)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -385,6 +385,65 @@ def sync_scatter_rows_all(
     _raise_sync_problems(problems)  # after every cache is written: the replicas stay identical
 
 
+@torch.library.custom_op("pcppass::sync_scatter_rows_all_quiet", mutates_args=("caches",))
+def sync_scatter_rows_all_quiet(
+    caches: list[torch.Tensor],
+    gathered: torch.Tensor,
+    index: torch.Tensor,
+    rows_segments: list[int],
+    slots_segments: list[int],
+    layouts: list[int],
+    group_name: str,
+    sites: str,
+) -> None:
+    """:func:`sync_scatter_rows_all` with the slot checks' choice of rows (out-of-range slots
+    skipped, the lowest writing rank's row for a slot two ranks wrote) but no raise: one batch of
+    a collective that a re-run site splits into several, whose problems
+    ``pcppass::sync_raise_slot_problems`` raises once every batch and re-run has run (raising
+    here would leave the later batches' rows on their owners only)."""
+    decoded = decode_layouts(layouts)
+    for cache, rows_segment, slots_segment, lay, site in zip(caches, rows_segments, slots_segments, decoded,
+                                                             site_labels(sites, len(caches))):
+        scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment, encode_layout(lay),
+                               group_name, site, True)
+
+
+@sync_scatter_rows_all_quiet.register_fake
+def _sync_scatter_rows_all_quiet_fake(caches, gathered, index, rows_segments, slots_segments, layouts,
+                                      group_name, sites):
+    return None
+
+
+@torch.library.custom_op("pcppass::sync_raise_slot_problems", mutates_args=())
+def sync_raise_slot_problems(
+    caches: list[torch.Tensor],
+    gathered: torch.Tensor,
+    index: torch.Tensor,
+    slots_segments: list[int],
+    layouts: list[int],
+    sites: str,
+) -> None:
+    """Raise what the slot checks find in every rank's slots of ``caches`` (the same
+    :class:`~pcppass.errors.PcpSyncError` on every rank, which all read the same gathered slots).
+    ``caches`` are read only to order this after the scatters that wrote them."""
+    decoded = decode_layouts(layouts)
+    problems = []
+    for cache, slots_segment, lay, site in zip(caches, slots_segments, decoded, site_labels(sites, len(caches))):
+        all_slots = [_segment(gathered, index, r, slots_segment).clone().view(torch.int64)
+                     for r in range(index.shape[0])]
+        problems.append(_one_writer_per_slot(all_slots, num_slots(cache, lay), site)[1])
+    _raise_sync_problems(problems)
+
+
+@sync_raise_slot_problems.register_fake
+def _sync_raise_slot_problems_fake(caches, gathered, index, slots_segments, layouts, sites):
+    return None
+
+
+# It only raises: keep it through dead-code elimination (no mutated argument, no result).
+torch.fx.node.has_side_effect(torch.ops.pcppass.sync_raise_slot_problems.default)
+
+
 def site_labels(sites: str, count: int) -> list[str]:
     """The per-cache labels of ``sync_scatter_rows_all``'s ``sites`` (one per line)."""
     labels = sites.split("\n") if count else []

@@ -370,6 +370,14 @@ class Transport(abc.ABC):
         transport that cannot write context caches refuses them in :meth:`exchange`)."""
         return None
 
+    def expect_batches(self, count: int) -> None:
+        """Called once before the first :meth:`apply_rows`: how many batches of cache rows this
+        collective applies (more than one where a re-run site, or a cache written twice, splits
+        them)."""
+
+    def finish(self) -> None:
+        """Called once after the collective's last batch and re-run."""
+
 
 TransportFactory = Callable[[GraphEmitter, SyncGroup], Transport]
 
@@ -391,7 +399,15 @@ class AllGatherTransport(Transport):
         pcppass.sync_unpack(gathered, index, segment, local, group, mask)    # every_rank
 
     Context-addressed caches are resolved by the scatter at run time; it returns an empty token
-    (:attr:`context_token`) that readers of those caches can wait on.
+    (:attr:`context_token`) that readers of those caches can wait on. A collective applied in
+    several batches on CPU tensors (split by a re-run) scatters each batch with
+    ``pcppass.sync_scatter_rows_all_quiet`` and raises the slot checks' findings once, after the
+    last batch and re-run (:meth:`expect_batches`, :meth:`finish`)::
+
+        pcppass.sync_scatter_rows_all_quiet(caches_before, gathered, index, ...)   # batch 1
+        op(...every rank's re-run inputs...)                                        # re-run
+        pcppass.sync_scatter_rows_all_quiet(caches_after, gathered, index, ...)    # batch 2
+        pcppass.sync_raise_slot_problems(caches_before + caches_after, gathered, index, ...)
     """
 
     def __init__(self, emit: GraphEmitter, group: SyncGroup) -> None:
@@ -400,6 +416,8 @@ class AllGatherTransport(Transport):
         self.gathered: torch.fx.Node | None = None
         self.index: torch.fx.Node | None = None
         self._context_token: torch.fx.Node | None = None
+        #: rows applied by quiet scatters, whose slot problems :meth:`finish` raises
+        self._quiet_rows: list[CacheRows] | None = None
 
     @property
     def context_token(self) -> torch.fx.Node | None:
@@ -420,10 +438,38 @@ class AllGatherTransport(Transport):
                                fingerprint_at=2)
         self.segments = segments
 
+    def expect_batches(self, count: int) -> None:
+        """A collective split into several batches on the host ops (CPU) raises its slot
+        problems once, after the last batch: the first batch's raise would keep every later
+        batch's rows on their owners only. (The CUDA scatter never raises mid-collective: it
+        records the problem and the step raises before the next one.)"""
+        graph_caches = [r.cache for r in self.segments.graph_rows] if self.segments else []
+        on_host = bool(graph_caches) and all(
+            isinstance(node_value(c), torch.Tensor) and node_value(c).device.type == "cpu" for c in graph_caches)
+        if count > 1 and self.group.check_conflicts and on_host:
+            self._quiet_rows = []
+
+    def finish(self) -> None:
+        if not self._quiet_rows:
+            return
+        rows = self._quiet_rows
+        self.emit.call(_SYNC.sync_raise_slot_problems.default, [r.cache for r in rows], self.gathered,
+                       self.index, [r.slots_segment for r in rows],
+                       [x for r in rows for x in encode_layout(r.layout)], _labels(rows))
+
     def apply_rows(self, rows: Sequence[CacheRows]) -> None:
         graph_rows = [r for r in rows if not isinstance(r.cache, ContextRef)]
         context_rows = [r for r in rows if isinstance(r.cache, ContextRef)]
-        if graph_rows:
+        if graph_rows and self._quiet_rows is not None:
+            self._quiet_rows.extend(graph_rows)
+            self.emit.call(
+                _SYNC.sync_scatter_rows_all_quiet.default,
+                [r.cache for r in graph_rows], self.gathered, self.index,
+                [r.rows_segment for r in graph_rows], [r.slots_segment for r in graph_rows],
+                [x for r in graph_rows for x in encode_layout(r.layout)], self.group.group_name,
+                _labels(graph_rows),
+            )
+        elif graph_rows:
             self.emit.call(
                 _SYNC.sync_scatter_rows_all.default,
                 [r.cache for r in graph_rows], self.gathered, self.index,
@@ -470,19 +516,26 @@ def apply_in_graph_order(emit: GraphEmitter, transport: Transport, segments: Seg
     """Cache rows and re-runs in the sites' order: a re-run that reads state an earlier site wrote
     sees it synced. Row copies between two re-runs go out as ONE batch (one scatter op); a cache
     appears once per batch."""
+    steps: list[list[CacheRows] | RerunInputs] = []
     batch: list[CacheRows] = []
     for site in segments.sites:
         for rows in segments.rows_of(site):
             if any(rows.cache == other.cache for other in batch):
-                transport.apply_rows(batch)
+                steps.append(batch)
                 batch = []
             batch.append(rows)
         rerun = segments.rerun_of(site)
         if rerun is not None:
-            transport.apply_rows(batch)
+            steps += [batch, rerun]
             batch = []
-            emit_rerun(emit, transport, rerun)
-    transport.apply_rows(batch)
+    steps.append(batch)
+    transport.expect_batches(sum(1 for step in steps if isinstance(step, list) and step))
+    for step in steps:
+        if isinstance(step, list):
+            transport.apply_rows(step)
+        else:
+            emit_rerun(emit, transport, step)
+    transport.finish()
 
 
 def emit_collective(emit: GraphEmitter, sites: Sequence[SyncSite], group: SyncGroup,

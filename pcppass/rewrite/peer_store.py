@@ -166,6 +166,14 @@ class AutoTransport(Transport):
         assert self.chosen is not None, "exchange() first"
         return self.chosen.every_rank(segment, mask_own_rows)
 
+    def expect_batches(self, count: int) -> None:
+        assert self.chosen is not None, "exchange() first"
+        self.chosen.expect_batches(count)
+
+    def finish(self) -> None:
+        assert self.chosen is not None, "exchange() first"
+        self.chosen.finish()
+
     @property
     def context_token(self) -> torch.fx.Node | None:
         return self.chosen.context_token if self.chosen is not None else None
