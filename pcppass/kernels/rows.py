@@ -285,6 +285,12 @@ def _segment(gathered: torch.Tensor, index: torch.Tensor, rank: int, segment: in
     return gathered[offset:offset + size]
 
 
+def every_rank_slots(gathered: torch.Tensor, index: torch.Tensor, slots_segment: int) -> list[torch.Tensor]:
+    """Each rank's slot mapping of segment ``slots_segment`` (int64 copies), in rank order."""
+    return [_segment(gathered, index, r, slots_segment).clone().view(torch.int64)
+            for r in range(index.shape[0])]
+
+
 def scatter_rows_reference(
     cache: torch.Tensor,
     gathered: torch.Tensor,
@@ -307,8 +313,7 @@ def scatter_rows_reference(
     (lay,) = decode_layouts(layout)
     world = index.shape[0]
     me = _group_rank(group_name)
-    all_slots = [_segment(gathered, index, r, slots_segment).clone().view(torch.int64)
-                 for r in range(world)]
+    all_slots = every_rank_slots(gathered, index, slots_segment)
     problem = None
     if check_conflicts:
         applied, problem = _one_writer_per_slot(all_slots, num_slots(cache, lay), site)
@@ -372,17 +377,25 @@ def sync_scatter_rows_all(
     cache's site label on line ``i`` (for errors). One op per collective lets a device
     implementation move every cache's rows in one launch; the caches are distinct tensors.
     """
+    problems = _scatter_every_cache(caches, gathered, index, rows_segments, slots_segments, layouts,
+                                    group_name, sites, check_conflicts)
+    _raise_sync_problems(problems)  # after every cache is written: the replicas stay identical
+
+
+def _scatter_every_cache(caches: list[torch.Tensor], gathered: torch.Tensor, index: torch.Tensor,
+                         rows_segments: list[int], slots_segments: list[int], layouts: list[int],
+                         group_name: str, sites: str, check_conflicts: bool) -> list[str | None]:
+    """:func:`scatter_rows_reference` for every cache of one scatter op; each one's problem."""
     decoded = decode_layouts(layouts)
     labels = site_labels(sites, len(caches))
     if not (len(caches) == len(rows_segments) == len(slots_segments) == len(decoded)):
         raise ValueError("sync_scatter_rows_all: caches, segments and layouts differ in length")
-    problems = [
+    return [
         scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment, encode_layout(lay),
                                group_name, site, check_conflicts)
         for cache, rows_segment, slots_segment, lay, site in zip(caches, rows_segments, slots_segments,
                                                                  decoded, labels)
     ]
-    _raise_sync_problems(problems)  # after every cache is written: the replicas stay identical
 
 
 @torch.library.custom_op("pcppass::sync_scatter_rows_all_quiet", mutates_args=("caches",))
@@ -401,11 +414,8 @@ def sync_scatter_rows_all_quiet(
     a collective that a re-run site splits into several, whose problems
     ``pcppass::sync_raise_slot_problems`` raises once every batch and re-run has run (raising
     here would leave the later batches' rows on their owners only)."""
-    decoded = decode_layouts(layouts)
-    for cache, rows_segment, slots_segment, lay, site in zip(caches, rows_segments, slots_segments, decoded,
-                                                             site_labels(sites, len(caches))):
-        scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment, encode_layout(lay),
-                               group_name, site, True)
+    _scatter_every_cache(caches, gathered, index, rows_segments, slots_segments, layouts, group_name, sites,
+                         check_conflicts=True)
 
 
 @sync_scatter_rows_all_quiet.register_fake
@@ -429,8 +439,7 @@ def sync_raise_slot_problems(
     decoded = decode_layouts(layouts)
     problems = []
     for cache, slots_segment, lay, site in zip(caches, slots_segments, decoded, site_labels(sites, len(caches))):
-        all_slots = [_segment(gathered, index, r, slots_segment).clone().view(torch.int64)
-                     for r in range(index.shape[0])]
+        all_slots = every_rank_slots(gathered, index, slots_segment)
         problems.append(_one_writer_per_slot(all_slots, num_slots(cache, lay), site)[1])
     _raise_sync_problems(problems)
 
@@ -706,8 +715,7 @@ def _require_no_rows(gathered: torch.Tensor, index: torch.Tensor, slots_segment:
     """This rank has no cache for a handle: no rank may have written a row into it."""
     from pcppass.errors import PcpSyncError
 
-    for r in range(index.shape[0]):
-        slots = _segment(gathered, index, r, slots_segment).clone().view(torch.int64)
+    for r, slots in enumerate(every_rank_slots(gathered, index, slots_segment)):
         if bool((slots >= 0).any()):
             raise PcpSyncError(f"{site}: rank {r} wrote rows into a cache this rank does not have yet")
 

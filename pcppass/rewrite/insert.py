@@ -443,9 +443,8 @@ class AllGatherTransport(Transport):
         problems once, after the last batch: the first batch's raise would keep every later
         batch's rows on their owners only. (The CUDA scatter never raises mid-collective: it
         records the problem and the step raises before the next one.)"""
-        graph_caches = [r.cache for r in self.segments.graph_rows] if self.segments else []
-        on_host = bool(graph_caches) and all(
-            isinstance(node_value(c), torch.Tensor) and node_value(c).device.type == "cpu" for c in graph_caches)
+        values = [node_value(r.cache) for r in self.segments.graph_rows] if self.segments else []
+        on_host = bool(values) and all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values)
         if count > 1 and self.group.check_conflicts and on_host:
             self._quiet_rows = []
 
