@@ -43,21 +43,22 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def kernels() -> ModuleType:
-    """The Triton kernel module for the Triton mode in force (``TRITON_INTERPRET=1``: interpreted)."""
+def kernels(name: str = "triton_kernels") -> ModuleType:
+    """The Triton kernel module ``name`` of this package for the Triton mode in force
+    (``TRITON_INTERPRET=1``: interpreted)."""
     from triton import knobs
 
-    return _kernel_module(bool(knobs.runtime.interpret))
+    return _kernel_module(name, bool(knobs.runtime.interpret))
 
 
 @functools.cache
-def _kernel_module(interpret: bool) -> ModuleType:
+def _kernel_module(name: str, interpret: bool) -> ModuleType:
     """A second copy of the module is imported when interpreting, so compiled and interpreted
     kernels never mix (``triton.jit`` picks its mode when it decorates)."""
     if not interpret:
-        return importlib.import_module("pcppass.kernels.attention.triton_kernels")
-    path = Path(__file__).with_name("triton_kernels.py")
-    spec = importlib.util.spec_from_file_location("pcppass.kernels.attention.triton_kernels_interpreted", path)
+        return importlib.import_module(f"pcppass.kernels.attention.{name}")
+    path = Path(__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"pcppass.kernels.attention.{name}_interpreted", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
