@@ -39,6 +39,35 @@ TILE_M = 64
 MIN_DOT = 16
 
 
+@dataclass(frozen=True)
+class IndexerTiles:
+    """Launch shape of :func:`indexer_scores`: ``chunk`` positions per program, ``bn`` keys per
+    tile; ``fp8_dot``: the query quantised to e4m3 per (row, head) and the dot on fp8 operands
+    (DeepSeek's own numerics; a different rounding from the reference path's)."""
+
+    bn: int = 64
+    chunk: int = INDEXER_CHUNK
+    warps: int = 4
+    stages: int = 2
+    fp8_dot: bool = False
+
+
+@dataclass(frozen=True)
+class MlaTiles:
+    """Launch shape of :func:`mla_attention`: up to ``heads`` heads stacked per program, ``bn``
+    keys per tile, ``sparse_split`` picks per split of a sparse row."""
+
+    heads: int = 32
+    bn: int = 32
+    warps: int | None = None  # None: 8 for tiles of at least 32 lanes, else 4
+    stages: int = 2
+    sparse_split: int = SPARSE_SPLIT
+
+
+INDEXER_TILES = IndexerTiles()
+MLA_TILES = MlaTiles()
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -181,14 +210,14 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def mla_heads_per_program(heads: int) -> int:
-    """Heads stacked in one MLA program: all of them up to 32 (accumulator ``[heads, 512]`` in
-    registers), else blocks of 32."""
-    return heads if heads <= 32 else 32
+def mla_heads_per_program(heads: int, tiles: MlaTiles = MLA_TILES) -> int:
+    """Heads stacked in one MLA program: all of them up to ``tiles.heads`` (accumulator
+    ``[heads, 512]`` in registers), else blocks of ``tiles.heads``."""
+    return heads if heads <= tiles.heads else tiles.heads
 
 
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
-                  ds_mla: bool, index: torch.Tensor | None = None) -> torch.Tensor:
+                  ds_mla: bool, index: torch.Tensor | None = None, tiles: MlaTiles = MLA_TILES) -> torch.Tensor:
     """MLA attention in the latent space over a paged latent cache -> ``[T, H, L]`` in ``q_lat``'s dtype.
 
     ``cache``: ``[nb, bs, L + R]`` (model dtype) or, ``ds_mla``, uint8 ``[nb, bs, L + 4L/128 + 2R]``.
@@ -200,37 +229,38 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         raise ValueError(f"mla_attention: latent width {lat}: a power of two up to 128, or 256 or 512")
     rope = q_pe.shape[2]
     nb, bs = cache.shape[0], cache.shape[1]
-    group = mla_heads_per_program(heads)
+    group = mla_heads_per_program(heads, tiles)
     if heads % group:
         raise ValueError(f"mla_attention: {heads} heads are not a multiple of {group}")
     sparse = index is not None
-    tiles = tile_schedule(rows.query_start_loc, t, 1 if sparse else max(1, TILE_M // group))
+    schedule = tile_schedule(rows.query_start_loc, t, 1 if sparse else max(1, TILE_M // group))
     span = index.shape[1] if sparse else rows.tables.shape[1] * bs
-    splits, split = _splits(tiles, span, SPARSE_SPLIT if sparse else MLA_SPLIT)
+    splits, split = _splits(schedule, span, tiles.sparse_split if sparse else MLA_SPLIT)
     out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat.dtype, q_lat.device)
     if ds_mla:
         flat = cache.view(torch.uint8).reshape(nb, bs, -1)
         scales, rope_bytes = flat.view(torch.float32), flat.view(torch.bfloat16)
     else:
         flat = scales = rope_bytes = cache
-    bm = tiles.rows_per_tile
-    if tiles.count:
-        kernels().mla_kernel[(tiles.count, heads // group, splits)](
-            q_lat, q_pe, flat, scales, rope_bytes, rows.tables, *rows.tile_args(tiles),
+    bm = schedule.rows_per_tile
+    if schedule.count:
+        kernels().mla_kernel[(schedule.count, heads // group, splits)](
+            q_lat, q_pe, flat, scales, rope_bytes, rows.tables, *rows.tile_args(schedule),
             index if sparse else rows.positions, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
             span if sparse else 0,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
             rows.tables.stride(0), index.stride(0) if sparse else 0, out.stride(0), out.stride(1),
-            BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=32, L=lat, R=rope,
-            RP=max(MIN_DOT, _pow2(rope)), SPLIT=split, ROW_MODE=tiles.row_mode, DS_MLA=ds_mla, SPARSE=sparse,
-            DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype), num_warps=8 if bm * group >= 32 else 4, num_stages=2,
+            BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=tiles.bn, L=lat, R=rope,
+            RP=max(MIN_DOT, _pow2(rope)), SPLIT=split, ROW_MODE=schedule.row_mode, DS_MLA=ds_mla, SPARSE=sparse,
+            DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype),
+            num_warps=tiles.warps or (8 if bm * group >= 32 else 4), num_stages=tiles.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
     return out
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, rows: StepRows,
-                   quant_block_size: int) -> torch.Tensor:
+                   quant_block_size: int, tiles: IndexerTiles = INDEXER_TILES) -> torch.Tensor:
     """Lightning-indexer scores ``[T, span]`` (float32, -inf where not visible) from the fp8
     block-split indexer cache ``[nb, bs * (D + 4D/qbs)]``; ``q [T, Hi, D]``, ``weights [T, Hi]``."""
     q, weights = _rows_of(q), _rows_of(weights)
@@ -242,12 +272,13 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     span = rows.tables.shape[1] * bs
     scores = torch.full((t, span), float("-inf"), dtype=torch.float32, device=q.device)
     if t:
-        kernels().indexer_kernel[(t, -(-span // INDEXER_CHUNK))](
+        kernels().indexer_kernel[(t, -(-span // tiles.chunk))](
             q, weights, flat, flat.view(torch.float32), rows.tables, rows.positions, rows.token_to_req,
             rows.is_padding, scores, span, q.stride(0), q.stride(1), weights.stride(0), flat.stride(0),
             rows.tables.stride(0), scores.stride(0),
-            BLOCK_SIZE=bs, HI=heads, HP=max(MIN_DOT, _pow2(heads)), D=d, QBS=quant_block_size, BN=64,
-            CHUNK=INDEXER_CHUNK, IEEE=_ieee(q.dtype), num_warps=4, num_stages=2,
+            BLOCK_SIZE=bs, HI=heads, HP=max(MIN_DOT, _pow2(heads)), D=d, QBS=quant_block_size, BN=tiles.bn,
+            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), FP8_DOT=tiles.fp8_dot, num_warps=tiles.warps,
+            num_stages=tiles.stages,
         )
     return scores
 

@@ -1,0 +1,188 @@
+"""Launch shapes of the DeepSeek-V3.2 attention kernels side by side on one GPU.
+
+    python bench/attention_tiles.py --rows 32,64 --context 16384,32768 --out bench/results --tag h200
+
+For each decode shape of :func:`pcppass.bench.kernels.v32_cases` (the same inputs, several input
+sets so the caches come from HBM), every :class:`~pcppass.kernels.attention.launch.IndexerTiles`
+and :class:`~pcppass.kernels.attention.launch.MlaTiles` of the grid below is timed from CUDA-graph
+replays (median), beside the launchers' defaults. Before it is timed, each shape's output is
+compared with the default's on the same inputs (indexer: max relative error of the visible scores;
+sparse MLA: max relative error), so a fast shape that computes something else shows as such.
+``fp8_dot`` indexer shapes change the rounding (the query is quantised): their error is reported,
+not hidden.
+
+Writes ``<out>/attention_tiles_<tag>.json`` (device, versions, date, configuration, every shape's
+time and error) and ``.md`` (per kernel and decode shape: the default and the five fastest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from pcppass.bench.environment import environment
+from pcppass.bench.kernels import DATASHEET_HBM, input_sets
+from pcppass.bench.timing import time_graph
+from pcppass.kernels.attention.launch import INDEXER_TILES, MLA_TILES, IndexerTiles, MlaTiles
+
+HI, DIM, TOPK, HEADS, LATENT, ROPE, BS = 64, 128, 2048, 128, 512, 64, 64
+
+
+def indexer_grid() -> list[IndexerTiles]:
+    shapes = [IndexerTiles(bn=bn, chunk=chunk, warps=warps, stages=stages, fp8_dot=fp8)
+              for bn, chunk, warps, stages, fp8 in itertools.product((64, 128), (512, 2048), (4, 8), (2, 3, 4),
+                                                                     (False, True))]
+    return [INDEXER_TILES] + [s for s in shapes if s != INDEXER_TILES]
+
+
+def mla_grid() -> list[MlaTiles]:
+    shapes = [MlaTiles(heads=heads, bn=bn, warps=warps, stages=stages, sparse_split=split)
+              for heads, bn, warps, stages, split in itertools.product((32, 64), (32, 64), (4, 8), (1, 2, 3),
+                                                                       (512, 2048))]
+    return [MLA_TILES] + [s for s in shapes if s != MLA_TILES]
+
+
+def v32_inputs(rows: int, context: int) -> list[dict]:
+    """``input_sets`` sets of the V3.2 kernels' inputs (as :func:`pcppass.bench.kernels.v32_cases`)."""
+    from pcppass.bench.kernels import decode_rows
+    from pcppass.kernels.attention.launch import indexer_scores, select_topk
+    from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows
+
+    out = []
+    for s in range(input_sets(rows * min(TOPK, context) * 656)):
+        step, blocks = decode_rows(rows, context, BS, first_request=s * rows)
+        keys = torch.randn(blocks * BS, DIM, device="cuda", dtype=torch.bfloat16)
+        codes, scales = encode_indexer_rows(keys, 128, "ue8m0")
+        icache = torch.cat((codes.view(blocks, BS * DIM), scales.view(blocks, BS * 4)), 1)
+        del keys
+        kv = torch.randn(blocks * BS, LATENT + ROPE, device="cuda", dtype=torch.bfloat16)
+        mcache = encode_ds_mla_rows(kv[:, :LATENT], kv[:, LATENT:]).view(blocks, BS, -1)
+        del kv
+        q = torch.randn(rows, HI, DIM, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(rows, HI, device="cuda").abs()
+        picked = select_topk(indexer_scores(q, w, icache, step, 128), TOPK)
+        out.append({"step": step, "icache": icache, "mcache": mcache, "q": q, "w": w, "picked": picked,
+                    "q_lat": torch.randn(rows, HEADS, LATENT, device="cuda", dtype=torch.bfloat16),
+                    "q_pe": torch.randn(rows, HEADS, ROPE, device="cuda", dtype=torch.bfloat16)})
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)):
+        return float("inf")
+    got, want = got[finite].float(), want[finite].float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def time_calls(calls, reps: int) -> float | str:
+    def replay_all():
+        for call in calls:
+            call()
+
+    try:
+        replay_all()
+        torch.cuda.synchronize()
+        ms, status = time_graph(replay_all, 2, reps)
+    except Exception as exc:  # a shape the compiler rejects (shared memory, registers) is reported
+        torch.cuda.synchronize()
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+    return statistics.median(ms) * 1000 / len(calls) if ms is not None else status
+
+
+def sweep_indexer(sets: list[dict], reps: int) -> list[dict]:
+    from pcppass.kernels.attention.launch import indexer_scores
+
+    first = sets[0]
+    want = indexer_scores(first["q"], first["w"], first["icache"], first["step"], 128)
+    results = []
+    for tiles in indexer_grid():
+        try:
+            err = rel_err(indexer_scores(first["q"], first["w"], first["icache"], first["step"], 128, tiles), want)
+        except Exception as exc:
+            results.append({"tiles": asdict(tiles), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            continue
+        us = time_calls([lambda s=s: indexer_scores(s["q"], s["w"], s["icache"], s["step"], 128, tiles)
+                         for s in sets], reps)
+        results.append({"tiles": asdict(tiles), "rel_err": err, **({"us": us} if isinstance(us, float) else
+                                                                   {"error": us})})
+    return results
+
+
+def sweep_sparse_mla(sets: list[dict], reps: int) -> list[dict]:
+    from pcppass.kernels.attention.launch import mla_attention
+
+    first = sets[0]
+    args = lambda s: (s["q_lat"], s["q_pe"], s["mcache"], s["step"], 0.07, True, s["picked"])  # noqa: E731
+    want = mla_attention(*args(first))
+    results = []
+    for tiles in mla_grid():
+        try:
+            err = rel_err(mla_attention(*args(first), tiles=tiles), want)
+        except Exception as exc:
+            results.append({"tiles": asdict(tiles), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            continue
+        us = time_calls([lambda s=s: mla_attention(*args(s), tiles=tiles) for s in sets], reps)
+        results.append({"tiles": asdict(tiles), "rel_err": err, **({"us": us} if isinstance(us, float) else
+                                                                   {"error": us})})
+    return results
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [f"# V3.2 attention launch shapes: {env.get('device')}", "",
+             f"{env['date']} · torch {env['torch']} · triton {env.get('triton')} · CUDA graph replays, median", ""]
+    for shape in result["shapes"]:
+        for kernel in ("indexer", "sparse_mla"):
+            entries = [e for e in shape[kernel] if "us" in e]
+            floor = shape["floor_bytes"][kernel] / DATASHEET_HBM * 1e6
+            lines += [f"## {kernel}, {shape['rows']} rows, context {shape['context']} (byte floor {floor:.1f} µs)",
+                      "", "| shape | µs | % of 4.8 TB/s | rel. error vs default |", "|---|---|---|---|"]
+            ranked = [entries[0]] + sorted(entries[1:], key=lambda e: e["us"])[:5] if entries else []
+            for i, e in enumerate(ranked):
+                name = ("default " if i == 0 else "") + ", ".join(f"{k}={v}" for k, v in e["tiles"].items())
+                lines.append(f"| {name} | {e['us']:.1f} | {100 * floor / e['us']:.0f} | {e['rel_err']:.1e} |")
+            failed = len(shape[kernel]) - len(entries)
+            lines += ([f"", f"{failed} shapes failed to compile or run."] if failed else []) + [""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="32,64")
+    parser.add_argument("--context", default="16384,32768")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="h200")
+    args = parser.parse_args()
+    result = {"environment": environment(), "config": vars(args), "shapes": []}
+    for rows, context in itertools.product(map(int, args.rows.split(",")), map(int, args.context.split(","))):
+        sets = v32_inputs(rows, context)
+        shape = {"rows": rows, "context": context, "input_sets": len(sets),
+                 "floor_bytes": {"indexer": rows * context * (DIM + 4) + rows * context * 4,
+                                 "sparse_mla": rows * min(TOPK, context) * 656},
+                 "indexer": sweep_indexer(sets, args.reps), "sparse_mla": sweep_sparse_mla(sets, args.reps)}
+        result["shapes"].append(shape)
+        for kernel in ("indexer", "sparse_mla"):
+            best = min((e for e in shape[kernel] if "us" in e), key=lambda e: e["us"], default=None)
+            default = shape[kernel][0].get("us")
+            print(f"{kernel} rows={rows} C={context}: default {default} us, best {best and best['us']:.1f} us "
+                  f"{best and best['tiles']} err {best and best['rel_err']:.1e}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"attention_tiles_{args.tag}.json").write_text(json.dumps(result, indent=1))
+    (out / f"attention_tiles_{args.tag}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
