@@ -36,15 +36,15 @@ HI, DIM, TOPK, HEADS, LATENT, ROPE, BS = 64, 128, 2048, 128, 512, 64, 64
 
 def indexer_grid() -> list[IndexerTiles]:
     shapes = [IndexerTiles(bn=bn, chunk=chunk, warps=warps, stages=stages, fp8_dot=fp8)
-              for bn, chunk, warps, stages, fp8 in itertools.product((64, 128), (512, 2048), (4, 8), (2, 3, 4),
+              for bn, chunk, warps, stages, fp8 in itertools.product((128, 256), (512, 1024, 2048), (4, 8), (2, 3),
                                                                      (False, True))]
     return [INDEXER_TILES] + [s for s in shapes if s != INDEXER_TILES]
 
 
 def mla_grid() -> list[MlaTiles]:
     shapes = [MlaTiles(heads=heads, bn=bn, warps=warps, stages=stages, sparse_split=split)
-              for heads, bn, warps, stages, split in itertools.product((32, 64), (32, 64), (4, 8), (1, 2, 3),
-                                                                       (512, 2048))]
+              for heads, bn, warps, stages, split in itertools.product((32, 64), (32, 64), (4, 8), (2, 3),
+                                                                       (512, 1024, 2048))]
     return [MLA_TILES] + [s for s in shapes if s != MLA_TILES]
 
 
