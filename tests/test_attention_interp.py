@@ -127,47 +127,6 @@ def test_indexer_scores_and_topk_match_reference(mode):
     assert (select_topk(scores, k)[~live] == -1).all()
 
 
-def test_float16_dots_over_fp8_codes_give_the_float32_products(mode):
-    """bf16 queries over fp8 caches take the float16-operand dots (codes converted once, query rows
-    scaled by a power of two): the same products as float32 queries holding the same values, so
-    the indexer's float32 scores agree to float32 rounding, and GQA / MLA outputs to the float16
-    rounding of the probabilities plus the bf16 rounding of the output. Query rows span 2^-20 ..
-    2^20, beyond float16's range unscaled."""
-    from pcppass.kernels.attention.launch import gqa_attention, indexer_scores, mla_attention
-
-    step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
-    g = torch.Generator().manual_seed(11)
-    t = step.rows.positions.shape[0]
-    magnitude = 2.0 ** torch.randint(-20, 21, (t, 1, 1), generator=g).float()
-
-    def bf16_query(*shape):
-        return (torch.randn(*shape, generator=g) * magnitude).to(torch.bfloat16)
-
-    live = step.live
-    q = bf16_query(t, 4, 32)
-    weights = torch.rand(t, 4, generator=g)
-    cache = indexer_cache(step, 32, 32, zero_every=3)
-    got, want = indexer_scores(q, weights, cache, step.rows, 32), indexer_scores(q.float(), weights, cache, step.rows, 32)
-    assert torch.equal(torch.isinf(got), torch.isinf(want))
-    finite = ~torch.isinf(want) & live[:, None]
-    rel = ((got - want).abs()[finite] / want.abs().amax(1, keepdim=True).expand_as(want)[finite].clamp_min(1e-30))
-    assert float(rel.max()) < 1e-5
-
-    q = bf16_query(t, 4, 16)
-    k_cache, v_cache = (torch.randn(step.num_blocks, BS, 2, 16, generator=g).mul(4).to(torch.float8_e4m3fn)
-                        for _ in range(2))
-    scales = (torch.tensor([0.25]), torch.tensor([0.5]))
-    want = gqa_attention(q.float(), k_cache, v_cache, step.rows, 0.25, *scales)
-    got = gqa_attention(q, k_cache, v_cache, step.rows, 0.25, *scales)
-    close(got, want, live, tol=8e-3)
-
-    mla = mla_cache(step, 128, 8, True)
-    q_lat, q_pe = bf16_query(t, 4, 128), bf16_query(t, 4, 8)
-    got = mla_attention(q_lat, q_pe, mla, step.rows, 1e-7, True)
-    want = mla_attention(q_lat.float(), q_pe.float(), mla, step.rows, 1e-7, True)
-    close(got, want, live, tol=8e-3)
-
-
 @pytest.mark.parametrize("name,cache_dtype", [("llama", "auto"), ("llama", "fp8"), ("deepseek_v2", "fp8_ds_mla"),
                                               ("deepseek_v32", "fp8_ds_mla")])
 def test_model_kernel_paths_match_reference_paths(name, cache_dtype):

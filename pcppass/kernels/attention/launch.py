@@ -177,13 +177,6 @@ def _ieee(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def _f16_dots(dtype: torch.dtype) -> bool:
-    """Dots over fp8 codes run on float16 operands for 16-bit queries (every e4m3 value and, once
-    scaled by a power of two, every bf16 query value is a float16 value: the same products as a
-    bf16 dot, one conversion per code instead of three)."""
-    return dtype in (torch.bfloat16, torch.float16)
-
-
 def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: StepRows, scale: float,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged GQA attention: ``q [T, H, D]``, caches ``[nb, bs, Hk, D]`` (fp8 caches with
@@ -211,7 +204,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=64, D=d, DV=dv,
             SPLIT=split, ROW_MODE=tiles.row_mode, FP8=fp8, DIRECT=splits == 1, IEEE=_ieee(q.dtype),
-            F16=fp8 and _f16_dots(q.dtype), num_warps=4, num_stages=2,
+            num_warps=4, num_stages=2,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
     return out
@@ -261,7 +254,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             rows.tables.stride(0), index.stride(0) if sparse else 0, out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=tiles.bn, L=lat, R=rope,
             RP=max(MIN_DOT, _pow2(rope)), SPLIT=split, ROW_MODE=schedule.row_mode, DS_MLA=ds_mla, SPARSE=sparse,
-            DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype), F16=ds_mla and _f16_dots(q_lat.dtype),
+            DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype),
             num_warps=tiles.warps or (8 if bm * group >= 32 else 4), num_stages=tiles.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
@@ -287,8 +280,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
             rows.is_padding, scores, span, q.stride(0), q.stride(1), weights.stride(0), flat.stride(0),
             rows.tables.stride(0), scores.stride(0),
             BLOCK_SIZE=bs, HI=heads, HP=max(MIN_DOT, _pow2(heads)), D=d, QBS=quant_block_size, BN=tiles.bn,
-            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), FP8_DOT=tiles.fp8_dot,
-            F16=d == quant_block_size and _f16_dots(q.dtype) and not tiles.fp8_dot, num_warps=tiles.warps,
+            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), FP8_DOT=tiles.fp8_dot, num_warps=tiles.warps,
             num_stages=tiles.stages,
         )
     return scores

@@ -93,30 +93,6 @@ def e4m3(codes, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def e4m3_f16(codes):
-    """e4m3 bytes as float16: one hardware conversion per pair of codes, and every e4m3 value is
-    a float16 value."""
-    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-
-
-@triton.jit
-def f16_factor(amax):
-    """Per lane, the power of two ``2^(14 - e)`` for ``amax`` in ``[2^e, 2^(e+1))``: a query row
-    times it lies below 2^15 (inside float16's range) with every value down to ``2^-24 amax``
-    kept to float16's 11 bits, so bf16 queries (8 bits) convert exactly; a power of two, so
-    dividing the dot by it is exact. Built from the exponent bits (no approximate ``exp2``)."""
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    shift = tl.minimum(tl.maximum(14 - e, -100), 100)
-    return ((shift + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def f16_rows(x, f):
-    """``x * f`` per row as float16 (``f`` from :func:`f16_factor`)."""
-    return (x.to(tl.float32) * f[:, None]).to(tl.float16)
-
-
-@triton.jit
 def online_softmax_step(s, m_i, l_i):
     """Fold one score tile ``s [M, BN]`` (log2 units, -inf masked) into the running max and sum;
     returns (p, alpha: the factor that rescales earlier accumulators, new max, new sum)."""
@@ -154,13 +130,9 @@ def gqa_kernel(
     stride_table, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr, FP8: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Paged GQA attention: ``K``/``V`` caches ``[nb, bs, Hk, D]``; program (tile, kv head, split).
-
-    ``F16`` (fp8 caches, 16-bit queries): the dots run on float16 operands, the e4m3 codes
-    converted once each and the query rows scaled by a power of two into float16's range
-    (:func:`f16_factor`); the probabilities enter the value dot as float16."""
+    """Paged GQA attention: ``K``/``V`` caches ``[nb, bs, Hk, D]``; program (tile, kv head, split)."""
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -173,11 +145,6 @@ def gqa_kernel(
                     mask=live[:, None], other=0.0)
         if FP8:  # per-tensor scales: on the scores and on the output (the codes go to the dot as they are)
             qk_scale = qk_scale * tl.load(K_SCALE)
-        row_scale = tl.full([M], 1.0, tl.float32) * qk_scale
-        if F16:
-            f = f16_factor(max_along(tl.abs(q.to(tl.float32)), 1))
-            q = f16_rows(q, f)
-            row_scale = row_scale / f
         lo = split * SPLIT
         hi = tl.minimum(lo + SPLIT, max_along(pos, 0) + 1).to(tl.int32)
         m_i = tl.full([M], float("-inf"), tl.float32)
@@ -193,13 +160,10 @@ def gqa_kernel(
                         mask=jm[:, None], other=0)
             v = tl.load(V + block[:, None] * stride_vb + off[:, None] * stride_vs + hk * stride_vh + dv[None, :],
                         mask=jm[:, None], other=0)
-            if F16:
-                k = e4m3_f16(k)
-                v = e4m3_f16(v)
-            elif FP8:
+            if FP8:
                 k = e4m3(k, q.dtype)
                 v = e4m3(v, q.dtype)
-            s = fdot(q, tl.trans(k), IEEE) * row_scale[:, None]
+            s = fdot(q, tl.trans(k), IEEE) * qk_scale
             s = tl.where((j[None, :] <= pos[:, None]) & jm[None, :], s, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
             acc = acc * alpha[:, None] + fdot(p.to(v.dtype), v, IEEE)
@@ -211,7 +175,7 @@ def gqa_kernel(
 
 @triton.jit
 def latent_tile(CACHE, SCALES, base, jm, c: tl.constexpr, L: tl.constexpr, TL: tl.constexpr, DS_MLA: tl.constexpr,
-                DTYPE: tl.constexpr, F16: tl.constexpr):
+                DTYPE: tl.constexpr):
     """Latent dims ``[c*TL, (c+1)*TL)`` of ``BN`` cache rows (``base``: each row's byte / element
     offset) in ``DTYPE``, and each row's scale of that tile. ``DS_MLA``: e4m3 codes (converted
     as they are) and the tile's float32 scale, read from the row's scale block (``SCALES``: the same
@@ -220,8 +184,6 @@ def latent_tile(CACHE, SCALES, base, jm, c: tl.constexpr, L: tl.constexpr, TL: t
     if DS_MLA:
         codes = tl.load(CACHE + base[:, None] + c * TL + t[None, :], mask=jm[:, None], other=0)
         scale = tl.load(SCALES + base // 4 + L // 4 + c, mask=jm, other=0.0)
-        if F16:
-            return e4m3_f16(codes), scale
         return e4m3(codes, DTYPE), scale
     values = tl.load(CACHE + base[:, None] + c * TL + t[None, :], mask=jm[:, None], other=0.0)
     return values.to(DTYPE), tl.full(jm.shape, 1.0, tl.float32)
@@ -237,14 +199,8 @@ def latent_scores(q, kv, scale, DS_MLA: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def latent_values(acc, alpha, p, kv, scale, DS_MLA: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
-    """``acc * alpha + p @ (kv * scale)``, the scale folded into ``p`` (per key). ``F16``: the
-    scales divided by their largest first, so ``p * scale`` lies in [0, 1] as float16."""
-    if F16:
-        top = max_along(scale, 0)
-        top = tl.where(top > 0.0, top, 1.0)
-        p16 = (p * (scale / top)[None, :]).to(tl.float16)
-        return acc * alpha[:, None] + fdot(p16, kv, IEEE) * top
+def latent_values(acc, alpha, p, kv, scale, DS_MLA: tl.constexpr, IEEE: tl.constexpr):
+    """``acc * alpha + p @ (kv * scale)``, the scale folded into ``p`` (per key)."""
     if DS_MLA:
         p = p * scale[None, :]
     return acc * alpha[:, None] + fdot(p.to(kv.dtype), kv, IEEE)
@@ -257,7 +213,7 @@ def mla_kernel(
     stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_it, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr,
-    DS_MLA: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
+    DS_MLA: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """MLA attention in the latent space over a paged latent cache; program (tile, head block, split).
 
@@ -270,8 +226,6 @@ def mla_kernel(
     multiplies the scores and the probabilities instead of every value.
     ``DS_MLA`` rows: ``L`` e4m3 codes, ``L/128`` float32 scales, ``R`` bf16 RoPE values
     (``SCALES`` / ``ROPE``: the same bytes as float32 / bf16; strides in bytes).
-    ``F16`` (``DS_MLA``, 16-bit queries): every dot runs on float16 operands (codes converted once
-    each; query rows, and each key's bf16 RoPE row, scaled by powers of two: :func:`f16_factor`).
     """
     TL: tl.constexpr = L if L < 128 else 128
     NT: tl.constexpr = L // TL
@@ -296,24 +250,6 @@ def mla_kernel(
             acc3 = tl.full([M, TL], 0.0, tl.float32)
         q_pe = tl.load(Q_PE + row[:, None] * stride_pt + head[:, None] * stride_ph + rot[None, :],
                        mask=live[:, None] & (rot < R)[None, :], other=0.0)
-        latent_scale = tl.full([M], 1.0, tl.float32)
-        if F16:
-            amax = max_along(tl.abs(q_pe.to(tl.float32)), 1)
-            amax = tl.maximum(amax, max_along(tl.abs(q0.to(tl.float32)), 1))
-            if NT > 1:
-                amax = tl.maximum(amax, max_along(tl.abs(q1.to(tl.float32)), 1))
-            if NT > 2:
-                amax = tl.maximum(amax, max_along(tl.abs(q2.to(tl.float32)), 1))
-                amax = tl.maximum(amax, max_along(tl.abs(q3.to(tl.float32)), 1))
-            f = f16_factor(amax)
-            latent_scale = 1.0 / f
-            q_pe = f16_rows(q_pe, f)
-            q0 = f16_rows(q0, f)
-            if NT > 1:
-                q1 = f16_rows(q1, f)
-            if NT > 2:
-                q2 = f16_rows(q2, f)
-                q3 = f16_rows(q3, f)
         lo = split * SPLIT
         if SPARSE:
             hi = tl.minimum(lo + SPLIT, index_len).to(tl.int32)
@@ -335,34 +271,29 @@ def mla_kernel(
             safe_key = tl.where(jm, key, 0)
             block = tl.load(table + safe_key // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
             base = block * stride_b + (safe_key % BLOCK_SIZE).to(tl.int64) * stride_s
-            kv0, sc0 = latent_tile(CACHE, SCALES, base, jm, 0, L, TL, DS_MLA, q_pe.dtype, F16)
+            kv0, sc0 = latent_tile(CACHE, SCALES, base, jm, 0, L, TL, DS_MLA, q0.dtype)
             s = latent_scores(q0, kv0, sc0, DS_MLA, IEEE)
             if NT > 1:
-                kv1, sc1 = latent_tile(CACHE, SCALES, base, jm, 1, L, TL, DS_MLA, q_pe.dtype, F16)
+                kv1, sc1 = latent_tile(CACHE, SCALES, base, jm, 1, L, TL, DS_MLA, q0.dtype)
                 s += latent_scores(q1, kv1, sc1, DS_MLA, IEEE)
             if NT > 2:
-                kv2, sc2 = latent_tile(CACHE, SCALES, base, jm, 2, L, TL, DS_MLA, q_pe.dtype, F16)
-                kv3, sc3 = latent_tile(CACHE, SCALES, base, jm, 3, L, TL, DS_MLA, q_pe.dtype, F16)
+                kv2, sc2 = latent_tile(CACHE, SCALES, base, jm, 2, L, TL, DS_MLA, q0.dtype)
+                kv3, sc3 = latent_tile(CACHE, SCALES, base, jm, 3, L, TL, DS_MLA, q0.dtype)
                 s += latent_scores(q2, kv2, sc2, DS_MLA, IEEE) + latent_scores(q3, kv3, sc3, DS_MLA, IEEE)
             if DS_MLA:
                 pe_at = ROPE + (base // 2)[:, None] + ((L + 4 * NT) // 2 + rot)[None, :]
             else:
                 pe_at = CACHE + base[:, None] + L + rot[None, :]
-            pe = tl.load(pe_at, mask=jm[:, None] & (rot < R)[None, :], other=0.0)
-            if F16:  # each key's RoPE row scaled by its own power of two into float16's range
-                g = f16_factor(max_along(tl.abs(pe.to(tl.float32)), 1))
-                s += fdot(q_pe, tl.trans(f16_rows(pe, g)), IEEE) * (1.0 / g)[None, :]
-                s = s * (latent_scale * qk_scale)[:, None]
-            else:
-                s = (s + fdot(q_pe, tl.trans(pe.to(q_pe.dtype)), IEEE)) * qk_scale
+            pe = tl.load(pe_at, mask=jm[:, None] & (rot < R)[None, :], other=0.0).to(q0.dtype)
+            s = (s + fdot(q_pe, tl.trans(pe), IEEE)) * qk_scale
             s = tl.where(visible, s, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
-            acc0 = latent_values(acc0, alpha, p, kv0, sc0, DS_MLA, IEEE, F16)
+            acc0 = latent_values(acc0, alpha, p, kv0, sc0, DS_MLA, IEEE)
             if NT > 1:
-                acc1 = latent_values(acc1, alpha, p, kv1, sc1, DS_MLA, IEEE, F16)
+                acc1 = latent_values(acc1, alpha, p, kv1, sc1, DS_MLA, IEEE)
             if NT > 2:
-                acc2 = latent_values(acc2, alpha, p, kv2, sc2, DS_MLA, IEEE, F16)
-                acc3 = latent_values(acc3, alpha, p, kv3, sc3, DS_MLA, IEEE, F16)
+                acc2 = latent_values(acc2, alpha, p, kv2, sc2, DS_MLA, IEEE)
+                acc3 = latent_values(acc3, alpha, p, kv3, sc3, DS_MLA, IEEE)
         store_result(acc0, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
                      stride_ot, stride_oh, live, 0, TL, L, DIRECT, True)
         if NT > 1:
@@ -402,7 +333,7 @@ def indexer_kernel(
     Q, WEIGHTS, CACHE, SCALES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, SCORES, span,
     stride_qt, stride_qh, stride_wt, stride_b, stride_table, stride_st,
     BLOCK_SIZE: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QBS: tl.constexpr,
-    BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr, F16: tl.constexpr,
+    BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     """Lightning-indexer scores of one row over one ``CHUNK`` of its positions (program (row, chunk)):
     ``sum_h w[h] * relu(q[h] . k)`` with ``k`` = e4m3 codes * block scales read from the
@@ -410,9 +341,7 @@ def indexer_kernel(
     scales; ``SCALES`` is the same bytes as float32). Only visible positions are written; the
     launcher fills the rest with -inf. ``FP8_DOT`` (one scale per token): the query is quantised
     to e4m3 per head (amax / 448) and the dot runs on fp8 operands, the query scale folded
-    into the head weights. ``F16`` (one scale per token, 16-bit queries): the dot on float16
-    operands, each head's query scaled by a power of two (:func:`f16_factor`) folded into its
-    weight (``relu`` commutes with a positive factor)."""
+    into the head weights."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if tl.load(IS_PADDING + row) == 0:
@@ -431,10 +360,6 @@ def indexer_kernel(
             q_scale = tl.where(amax == 0.0, 1.0, amax / 448.0)
             q_codes = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
             w = w * q_scale
-        elif F16:
-            f = f16_factor(max_along(tl.abs(q.to(tl.float32)), 1))
-            q = f16_rows(q, f)
-            w = w / f
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             jm = j < hi
@@ -444,9 +369,6 @@ def indexer_kernel(
             scale_at = (block * stride_b + BLOCK_SIZE * D) // 4 + off * NQ
             if FP8_DOT:
                 s = tl.dot(q_codes, tl.trans(codes.to(tl.float8e4nv, bitcast=True)))
-                s = s * tl.load(SCALES + scale_at, mask=jm, other=0.0)[None, :]
-            elif F16:
-                s = fdot(q, tl.trans(e4m3_f16(codes)), IEEE)
                 s = s * tl.load(SCALES + scale_at, mask=jm, other=0.0)[None, :]
             elif NQ == 1:  # one scale per token (DeepSeek: D = QBS = 128): on the scores
                 s = fdot(q, tl.trans(e4m3(codes, q.dtype)), IEEE)
