@@ -8,8 +8,7 @@ and :class:`~pcppass.kernels.attention.launch.MlaTiles` of the grid below is tim
 replays (median), beside the launchers' defaults. Before it is timed, each shape's output is
 compared with the default's on the same inputs (indexer: max relative error of the visible scores;
 sparse MLA: max relative error), so a fast shape that computes something else shows as such.
-``fp8_dot`` indexer shapes change the rounding (the query is quantised): their error is reported,
-not hidden.
+The indexer runs on DeepSeek-V3.2's e4m3 query (one scale per head, folded into the weights).
 
 Writes ``<out>/attention_tiles_<tag>.json`` (device, versions, date, configuration, every shape's
 time and error) and ``.md`` (per kernel and decode shape: the default and the five fastest).
@@ -35,16 +34,16 @@ HI, DIM, TOPK, HEADS, LATENT, ROPE, BS = 64, 128, 2048, 128, 512, 64, 64
 
 
 def indexer_grid() -> list[IndexerTiles]:
-    shapes = [IndexerTiles(bn=bn, chunk=chunk, warps=warps, stages=stages, fp8_dot=fp8)
-              for bn, chunk, warps, stages, fp8 in itertools.product((128, 256), (512, 1024, 2048), (4, 8), (2, 3),
-                                                                     (False, True))]
+    shapes = [IndexerTiles(bn=bn, chunk=chunk, warps=warps, stages=stages)
+              for bn, chunk, warps, stages in itertools.product((64, 128, 256), (512, 1024, 2048, 4096), (4, 8),
+                                                                (2, 3, 4))]
     return [INDEXER_TILES] + [s for s in shapes if s != INDEXER_TILES]
 
 
 def mla_grid() -> list[MlaTiles]:
     shapes = [MlaTiles(heads=heads, bn=bn, warps=warps, stages=stages, sparse_split=split)
-              for heads, bn, warps, stages, split in itertools.product((32, 64), (32, 64), (4, 8), (2, 3),
-                                                                       (512, 1024, 2048))]
+              for heads, bn, warps, stages, split in itertools.product((64,), (16, 32), (4, 8), (2, 3, 4),
+                                                                       (256, 512, 1024, 2048))]
     return [MLA_TILES] + [s for s in shapes if s != MLA_TILES]
 
 
@@ -52,7 +51,7 @@ def v32_inputs(rows: int, context: int) -> list[dict]:
     """``input_sets`` sets of the V3.2 kernels' inputs (as :func:`pcppass.bench.kernels.v32_cases`)."""
     from pcppass.bench.kernels import decode_rows
     from pcppass.kernels.attention.launch import indexer_scores, select_topk
-    from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows
+    from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows, quantize_indexer_query
 
     out = []
     for s in range(input_sets(rows * min(TOPK, context) * 656)):
@@ -64,8 +63,8 @@ def v32_inputs(rows: int, context: int) -> list[dict]:
         kv = torch.randn(blocks * BS, LATENT + ROPE, device="cuda", dtype=torch.bfloat16)
         mcache = encode_ds_mla_rows(kv[:, :LATENT], kv[:, LATENT:]).view(blocks, BS, -1)
         del kv
-        q = torch.randn(rows, HI, DIM, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(rows, HI, device="cuda").abs()
+        q, w = quantize_indexer_query(torch.randn(rows, HI, DIM, device="cuda", dtype=torch.bfloat16),
+                                      torch.randn(rows, HI, device="cuda").abs(), "ue8m0")
         picked = select_topk(indexer_scores(q, w, icache, step, 128), TOPK)
         out.append({"step": step, "icache": icache, "mcache": mcache, "q": q, "w": w, "picked": picked,
                     "q_lat": torch.randn(rows, HEADS, LATENT, device="cuda", dtype=torch.bfloat16),

@@ -29,7 +29,7 @@ from torch import nn
 
 from pcppass.engine.contract import CacheGroupSpec, CacheSpec, slot_key
 from pcppass.kernels.math import layer_norm, rms_norm
-from pcppass.kernels.quant import encode_ds_mla_rows, indexer_token_bytes
+from pcppass.kernels.quant import encode_ds_mla_rows, indexer_token_bytes, quantize_indexer_query
 from pcppass.models.common import (
     DecoderLayer,
     LayerNorm,
@@ -158,6 +158,8 @@ class DeepseekV32Attention(MLALatentReader, nn.Module):
         q_idx = self.indexer.wq_b(q_c_normed).view(t, cfg.index_n_heads, cfg.index_head_dim)
         q_idx = rope(q_idx, positions, self.cos_sin_cache, "neox", "first")
         weights = self.indexer.weights_proj(x).float() * self.indexer.weight_scale
+        # e4m3 with one scale per head, as DeepSeek-V3.2 feeds its fp8 indexer kernel
+        q_idx, weights = quantize_indexer_query(q_idx, weights, INDEXER_SCALE_FMT)
         return q_nope, q_pe, q_idx, weights
 
 

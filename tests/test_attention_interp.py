@@ -127,6 +127,29 @@ def test_indexer_scores_and_topk_match_reference(mode):
     assert (select_topk(scores, k)[~live] == -1).all()
 
 
+@pytest.mark.parametrize("head_dim,qbs", [(32, 32), (32, 16)])
+def test_indexer_e4m3_queries_match_reference(mode, head_dim, qbs):
+    """DeepSeek-V3.2's query (e4m3 codes, one scale per head folded into the weights): with one key
+    scale per token the codes of both sides meet in an fp8 dot, else the float32 path runs over
+    the same values; either way the scores are the reference's over ``codes * scale``."""
+    from pcppass.kernels.attention.launch import indexer_scores
+    from pcppass.kernels.quant import quantize_indexer_query
+
+    step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
+    cache = indexer_cache(step, head_dim, qbs, zero_every=3)
+    g = torch.Generator().manual_seed(6)
+    t = step.rows.positions.shape[0]
+    q, weights = quantize_indexer_query(torch.randn(t, 4, head_dim, generator=g) * 3,
+                                        torch.randn(t, 4, generator=g).abs(), "ue8m0")
+    assert q.dtype == torch.float8_e4m3fn
+    scores = indexer_scores(q, weights, cache, step.rows, qbs)
+    ref_scores, _ = reference_indexer(step, q, weights, cache, head_dim, qbs, 8)
+    live = step.live
+    assert torch.equal(torch.isinf(scores[live]), torch.isinf(ref_scores[live]))
+    finite = ~torch.isinf(ref_scores[live])
+    close(scores[live][finite], ref_scores[live][finite], slice(None))
+
+
 @pytest.mark.parametrize("name,cache_dtype", [("llama", "auto"), ("llama", "fp8"), ("deepseek_v2", "fp8_ds_mla"),
                                               ("deepseek_v32", "fp8_ds_mla")])
 def test_model_kernel_paths_match_reference_paths(name, cache_dtype):

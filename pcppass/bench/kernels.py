@@ -117,10 +117,10 @@ def mla_cases(rows: int, context: int) -> list[Case]:
 
 
 def v32_cases(rows: int, context: int) -> list[Case]:
-    """DeepSeek-V3.2: the lightning indexer (64 heads x 128, fp8 ue8m0 keys), the top-2048 selection,
+    """DeepSeek-V3.2: the lightning indexer (64 heads x 128, e4m3 queries and ue8m0 keys), the top-2048 selection,
     sparse MLA over the selected rows (128 heads, fp8_ds_mla), and the three in a row."""
     from pcppass.kernels.attention.launch import indexer_scores, mla_attention, select_topk
-    from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows
+    from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows, quantize_indexer_query
 
     hi, dim, topk, heads, latent, rope, bs = 64, 128, 2048, 128, 512, 64, 64
     index_bytes = rows * context * (dim + 4)
@@ -136,8 +136,8 @@ def v32_cases(rows: int, context: int) -> list[Case]:
         kv = torch.randn(blocks * bs, latent + rope, device="cuda", dtype=torch.bfloat16)
         mcache = encode_ds_mla_rows(kv[:, :latent], kv[:, latent:]).view(blocks, bs, -1)
         del kv
-        q = torch.randn(rows, hi, dim, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(rows, hi, device="cuda").abs()
+        q, w = quantize_indexer_query(torch.randn(rows, hi, dim, device="cuda", dtype=torch.bfloat16),
+                                      torch.randn(rows, hi, device="cuda").abs(), "ue8m0")
         q_lat = torch.randn(rows, heads, latent, device="cuda", dtype=torch.bfloat16)
         q_pe = torch.randn(rows, heads, rope, device="cuda", dtype=torch.bfloat16)
         scores = indexer_scores(q, w, icache, step, 128)

@@ -140,6 +140,15 @@ def encode_indexer_rows(
     return codes, float32_bytes(scales)
 
 
+def quantize_indexer_query(q: torch.Tensor, weights: torch.Tensor, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3.2's indexer query: ``q [T, H, D]`` as e4m3 codes with one scale per head (the
+    keys' scale rule over the head's ``D`` values), the scale folded into ``weights [T, H]``
+    (``relu`` commutes with a positive factor). Returns (float8_e4m3fn ``[T, H, D]``, float32
+    weights ``[T, H]``); the scores of the pair are those of the float32 query ``codes * scale``."""
+    scales = indexer_scales(q.reshape(-1, q.shape[-1]), q.shape[-1], scale_fmt).view(q.shape[:-1])
+    return quantize_e4m3(q, scales.unsqueeze(-1)), weights.float() * scales
+
+
 def indexer_token_bytes(head_dim: int, quant_block_size: int) -> int:
     return head_dim + 4 * (head_dim // quant_block_size)
 

@@ -41,15 +41,12 @@ MIN_DOT = 16
 
 @dataclass(frozen=True)
 class IndexerTiles:
-    """Launch shape of :func:`indexer_scores`: ``chunk`` positions per program, ``bn`` keys per
-    tile; ``fp8_dot``: the query quantised to e4m3 per (row, head) and the dot on fp8 operands
-    (DeepSeek's own numerics; a different rounding from the reference path's)."""
+    """Launch shape of :func:`indexer_scores`: ``chunk`` positions per program, ``bn`` keys per tile."""
 
     bn: int = 64
     chunk: int = INDEXER_CHUNK
     warps: int = 4
     stages: int = 2
-    fp8_dot: bool = False
 
 
 @dataclass(frozen=True)
@@ -264,8 +261,13 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, rows: StepRows,
                    quant_block_size: int, tiles: IndexerTiles | None = None) -> torch.Tensor:
     """Lightning-indexer scores ``[T, span]`` (float32, -inf where not visible) from the fp8
-    block-split indexer cache ``[nb, bs * (D + 4D/qbs)]``; ``q [T, Hi, D]``, ``weights [T, Hi]``."""
+    block-split indexer cache ``[nb, bs * (D + 4D/qbs)]``; ``q [T, Hi, D]``, ``weights [T, Hi]``.
+    An e4m3 ``q`` (its scales folded into ``weights``, :func:`pcppass.kernels.quant.quantize_indexer_query`)
+    meets the key codes in an fp8 dot where a token has one key scale (``D == qbs``)."""
     q, weights = _rows_of(q), _rows_of(weights)
+    if q.dtype == torch.float8_e4m3fn and q.shape[2] != quant_block_size:
+        q = q.float()  # several key scales per token: the float32 path over the same values
+    q_fp8 = q.dtype == torch.float8_e4m3fn
     tiles = tiles or INDEXER_TILES
     t, heads, d = q.shape
     nb = cache.shape[0]
@@ -276,11 +278,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     scores = torch.full((t, span), float("-inf"), dtype=torch.float32, device=q.device)
     if t:
         kernels().indexer_kernel[(t, -(-span // tiles.chunk))](
-            q, weights, flat, flat.view(torch.float32), rows.tables, rows.positions, rows.token_to_req,
+            q.view(torch.uint8) if q_fp8 else q, weights, flat, flat.view(torch.float32), rows.tables, rows.positions, rows.token_to_req,
             rows.is_padding, scores, span, q.stride(0), q.stride(1), weights.stride(0), flat.stride(0),
             rows.tables.stride(0), scores.stride(0),
             BLOCK_SIZE=bs, HI=heads, HP=max(MIN_DOT, _pow2(heads)), D=d, QBS=quant_block_size, BN=tiles.bn,
-            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), FP8_DOT=tiles.fp8_dot, num_warps=tiles.warps,
+            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), Q_FP8=q_fp8, num_warps=tiles.warps,
             num_stages=tiles.stages,
         )
     return scores

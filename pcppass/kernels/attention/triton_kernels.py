@@ -333,15 +333,15 @@ def indexer_kernel(
     Q, WEIGHTS, CACHE, SCALES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, SCORES, span,
     stride_qt, stride_qh, stride_wt, stride_b, stride_table, stride_st,
     BLOCK_SIZE: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QBS: tl.constexpr,
-    BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, FP8_DOT: tl.constexpr,
+    BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, Q_FP8: tl.constexpr,
 ):
     """Lightning-indexer scores of one row over one ``CHUNK`` of its positions (program (row, chunk)):
     ``sum_h w[h] * relu(q[h] . k)`` with ``k`` = e4m3 codes * block scales read from the
     block-split cache ``[nb, bs * (D + 4 * D / QBS)]`` (codes of all tokens, then their float32
     scales; ``SCALES`` is the same bytes as float32). Only visible positions are written; the
-    launcher fills the rest with -inf. ``FP8_DOT`` (one scale per token): the query is quantised
-    to e4m3 per head (amax / 448) and the dot runs on fp8 operands, the query scale folded
-    into the head weights."""
+    launcher fills the rest with -inf. ``Q_FP8`` (one scale per token, as DeepSeek-V3.2 runs it):
+    ``Q`` holds e4m3 codes, each head's scale already folded into its weight, and the dot runs on
+    the fp8 codes of both sides (accumulated in float32), no conversion."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if tl.load(IS_PADDING + row) == 0:
@@ -355,11 +355,6 @@ def indexer_kernel(
         lo = chunk * CHUNK
         hi = tl.minimum(tl.minimum(lo + CHUNK, pos + 1), span).to(tl.int32)
         NQ: tl.constexpr = D // QBS
-        if FP8_DOT:
-            amax = max_along(tl.abs(q.to(tl.float32)), 1)
-            q_scale = tl.where(amax == 0.0, 1.0, amax / 448.0)
-            q_codes = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
-            w = w * q_scale
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             jm = j < hi
@@ -367,8 +362,8 @@ def indexer_kernel(
             off = (j % BLOCK_SIZE).to(tl.int64)
             codes = tl.load(CACHE + block[:, None] * stride_b + off[:, None] * D + d[None, :], mask=jm[:, None], other=0)
             scale_at = (block * stride_b + BLOCK_SIZE * D) // 4 + off * NQ
-            if FP8_DOT:
-                s = tl.dot(q_codes, tl.trans(codes.to(tl.float8e4nv, bitcast=True)))
+            if Q_FP8:
+                s = tl.dot(q.to(tl.float8e4nv, bitcast=True), tl.trans(codes.to(tl.float8e4nv, bitcast=True)))
                 s = s * tl.load(SCALES + scale_at, mask=jm, other=0.0)[None, :]
             elif NQ == 1:  # one scale per token (DeepSeek: D = QBS = 128): on the scores
                 s = fdot(q, tl.trans(e4m3(codes, q.dtype)), IEEE)
