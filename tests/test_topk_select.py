@@ -150,14 +150,15 @@ def sampled_path(row: torch.Tensor, k: int) -> str:
 
 
 def test_sampled_bound_paths(monkeypatch):
-    """Each path of a sampled row (tiny chunks, 512 sampled keys): a bound that leaves a little
+    """Each path of a sampled row (small chunks, 512 sampled keys): a bound that leaves a little
     more than k candidates (random rows, ties, a -inf tail); one that leaves fewer than k (every
     sampled key above the rest: dropped); one with more candidates than their slots (ties at the
     top: the row is read); fewer visible keys than k (every one a candidate)."""
     from pcppass.kernels.attention import select
 
     use_tiny_tiles(monkeypatch)
-    monkeypatch.setattr(select, "SAMPLE", 512)
+    for name, value in (("SELECT_CHUNK", 64), ("CANDIDATE_CHUNK", 32), ("SAMPLE", 512)):
+        monkeypatch.setattr(select, name, value)
     g = torch.Generator().manual_seed(9)
     span, k = 2048, 400
     scores = torch.rand(6, span, generator=g)

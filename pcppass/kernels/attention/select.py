@@ -1,5 +1,12 @@
 """Top-k selection without a sort: the DeepSeek-V3.2 lightning indexer's top-2048 in one Triton
-program per row (:mod:`.select_kernels`)."""
+program per row (:mod:`.select_kernels`).
+
+Cost model (instructions counted in an sm_90 build of the kernel, not timed): a radix pass costs
+about 60 instructions per key (``tl.histogram`` lowers to a warp ballot per digit bit and a
+popcount per bin), so four passes over a 32768-key row would dominate; a long row is narrowed
+first by one compaction pass (about 45 per key) to the few thousand keys at or above a bound taken
+from a sample of the row, and the radix passes and the final compaction read those only.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,12 @@ import triton
 
 from pcppass.kernels.attention.launch import kernels
 
-#: keys per chunk of a row (a row is re-read from L2 by each pass) and of the candidates
+#: keys per chunk of a row (a row is re-read from L2 by each pass) and of the candidates (below
+#: 2**15: a compaction packs two counts of a chunk into one int32); 16 warps hold a 4096-key chunk
+#: without register spills in an sm_90 build (8 warps: 128 registers and spills)
 SELECT_CHUNK = 4096
 CANDIDATE_CHUNK = 1024
-SELECT_WARPS = 8
+SELECT_WARPS = 16
 #: chunk and warps for rows of at most SELECT_MIN_CHUNK keys (at least one key per lane)
 SELECT_MIN_CHUNK = 1024
 SELECT_MIN_WARPS = 4
