@@ -29,7 +29,8 @@ def interpret(monkeypatch):
 
 
 def use_tiny_tiles(monkeypatch):
-    """Chunks of 16 keys (8 candidates) and samples of 16 keys: short rows take every path."""
+    """Chunks of 16 keys (8 candidates) and samples of 16 keys: short rows span many chunks and
+    are sampled too."""
     from pcppass.kernels.attention import select
 
     for name, value in (("SELECT_CHUNK", 16), ("SELECT_MIN_CHUNK", 16), ("CANDIDATE_CHUNK", 8), ("SAMPLE", 16)):
