@@ -1,0 +1,92 @@
+"""Top-k selection without a sort: the DeepSeek-V3.2 lightning indexer's top-2048 in one Triton
+program per row (:mod:`.select_kernels`).
+
+Cost model (instructions counted in an sm_90 build of the kernel, not timed): a radix pass costs
+about 60 instructions per key (``tl.histogram`` lowers to a warp ballot per digit bit and a
+popcount per bin), so four passes over a 32768-key row would dominate; a long row is narrowed
+first by one compaction pass (about 45 per key) to the few thousand keys at or above a bound taken
+from a sample of the row, and the radix passes and the final compaction read those only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from pcppass.kernels.attention.launch import kernels
+
+#: keys per chunk of a row (a row is re-read from L2 by each pass) and of the candidates (below
+#: 2**15: a compaction packs two counts of a chunk into one int32); 16 warps hold a 4096-key chunk
+#: without register spills in an sm_90 build (8 warps: 128 registers and spills)
+SELECT_CHUNK = 4096
+CANDIDATE_CHUNK = 1024
+SELECT_WARPS = 16
+#: chunk and warps for rows of at most SELECT_MIN_CHUNK keys (at least one key per lane)
+SELECT_MIN_CHUNK = 1024
+SELECT_MIN_WARPS = 4
+#: rows of at least SAMPLE_RATIO * k keys (and 2 * SAMPLE) are sampled: SAMPLE evenly spaced
+#: keys give a lower bound that leaves a little more than k candidates, in CANDIDATE_SLOTS * k slots
+SAMPLE = 2048
+SAMPLE_RATIO = 4
+CANDIDATE_SLOTS = 2
+
+
+def sample_rank(k: int, length: int, sample: int) -> int:
+    """Rank, among ``sample`` evenly spaced keys of ``length``, of the key used as lower bound:
+    ``e = k * sample / length`` of them are expected at or above the k-th largest key of the row;
+    ``4 sqrt(e) + 8`` more keep it below that key unless the sample is far from the row's
+    distribution (then the kernel falls back to every visible key: slower, the same result)."""
+    expected = k * sample / length
+    return min(sample, math.ceil(expected + 4 * math.sqrt(expected)) + 8)
+
+
+def select_topk_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical positions of the ``k`` largest scores of each row of ``scores [T, span]`` (float32,
+    -inf: not visible, no NaN) -> ``[T, k]`` int64, ascending, ``-1`` for picks with a -inf score;
+    bitwise the tensor :func:`pcppass.kernels.attention.launch.select_topk` returns.
+
+    The reference picks the ``k`` largest keys ``(score, -position)`` (scores as monotonic integer
+    bits, so ``-0.0 < +0.0``; rows shorter than ``k`` padded with -inf) and sorts them. Those keys
+    are distinct, so its set is: every score above the k-th largest score ``t`` (with multiplicity),
+    then the lowest positions among the scores equal to ``t`` until there are ``k``. A -inf pick is
+    a -1 whatever its position, and -1s sort first; so each program selects among the visible
+    scores only: ``v = min(k, visible)`` picks, written after ``k - v`` -1s.
+
+    Each program finds ``t`` by radix select over the monotonic bits (four 8-bit digits from the
+    most significant, each a histogram of the keys sharing the digits found so far), then walks its
+    keys in position order and writes each pick at its running count (a prefix sum per chunk and
+    running totals across chunks): the output is ascending without a sort. A long row first
+    narrows its keys to the candidates at or above a lower bound taken from a sample of the row
+    (see :func:`sample_rank`), written in position order to a scratch buffer, and selects among
+    those; a bound that leaves too few candidates is dropped, too many and the row itself is read.
+
+    A row's result depends on that row alone; no host reads and fixed shapes, so a step that calls
+    this can be captured in a CUDA graph.
+    """
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"select_topk_triton: scores must be a float32 [T, span] tensor, got "
+                         f"{scores.dtype} {tuple(scores.shape)}")
+    if k < 0:
+        raise ValueError(f"select_topk_triton: k = {k} is negative")
+    rows, span = scores.shape
+    out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
+    if rows == 0 or k == 0:
+        return out
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    length = max(span, k)
+    small = length <= SELECT_MIN_CHUNK
+    chunk = min(SELECT_CHUNK, SELECT_MIN_CHUNK if small else triton.next_power_of_2(length))
+    sampled = length >= max(SAMPLE_RATIO * k, 2 * SAMPLE)
+    cap = min(length, CANDIDATE_SLOTS * k) if sampled else 0
+    cand_keys = torch.empty(rows if sampled else 1, max(cap, 1), dtype=torch.int32, device=scores.device)
+    cand_pos = torch.empty_like(cand_keys)
+    kernels("select_kernels").topk_select_kernel[(rows,)](
+        scores, out, cand_keys, cand_pos, span, length, k, scores.stride(0), out.stride(0), cand_keys.stride(0),
+        cap, length // SAMPLE, sample_rank(k, length, SAMPLE) if sampled else 0,
+        SAMPLED=sampled, SAMPLE=SAMPLE, ROW_CHUNK=chunk, CAND_CHUNK=CANDIDATE_CHUNK,
+        num_warps=SELECT_MIN_WARPS if small else SELECT_WARPS,
+    )
+    return out
