@@ -28,23 +28,23 @@ import torch
 from pcppass.bench.environment import environment
 from pcppass.bench.kernels import DATASHEET_HBM, input_sets
 from pcppass.bench.timing import time_graph
-from pcppass.kernels.attention.launch import INDEXER_TILES, MLA_TILES, IndexerTiles, MlaTiles
+from pcppass.kernels.attention.launch import INDEXER_TILES, SPARSE_MLA_TILES, IndexerTiles, MlaTiles
 
 HI, DIM, TOPK, HEADS, LATENT, ROPE, BS = 64, 128, 2048, 128, 512, 64, 64
 
 
 def indexer_grid() -> list[IndexerTiles]:
-    shapes = [IndexerTiles(bn=bn, chunk=chunk, warps=warps, stages=stages)
-              for bn, chunk, warps, stages in itertools.product((64, 128, 256), (512, 1024, 2048, 4096), (4, 8),
-                                                                (2, 3, 4))]
+    shapes = [IndexerTiles(bn=bn, chunk=chunk, warps=warps, stages=stages, keys_major=keys_major)
+              for bn, chunk, warps, stages, keys_major in itertools.product((64, 128, 256), (1024, 2048), (4, 8),
+                                                                            (2, 3), (False, True))]
     return [INDEXER_TILES] + [s for s in shapes if s != INDEXER_TILES]
 
 
 def mla_grid() -> list[MlaTiles]:
     shapes = [MlaTiles(heads=heads, bn=bn, warps=warps, stages=stages, sparse_split=split)
-              for heads, bn, warps, stages, split in itertools.product((64,), (16, 32), (4, 8), (2, 3, 4),
-                                                                       (256, 512, 1024, 2048))]
-    return [MLA_TILES] + [s for s in shapes if s != MLA_TILES]
+              for heads, bn, warps, stages, split in itertools.product((32, 64), (32,), (8,), (3, 4),
+                                                                       (512, 1024, 2048))]
+    return [SPARSE_MLA_TILES] + [s for s in shapes if s != SPARSE_MLA_TILES]
 
 
 def v32_inputs(rows: int, context: int) -> list[dict]:

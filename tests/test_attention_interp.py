@@ -47,7 +47,7 @@ def mode(request, monkeypatch):
     if request.param == "row_split":
         for name in ("GQA_SPLIT", "MLA_SPLIT"):
             monkeypatch.setattr(launch, name, 8)
-        monkeypatch.setattr(launch, "MLA_TILES", replace(launch.MLA_TILES, sparse_split=8))
+        monkeypatch.setattr(launch, "SPARSE_MLA_TILES", replace(launch.SPARSE_MLA_TILES, sparse_split=8))
         monkeypatch.setattr(launch, "INDEXER_TILES", replace(launch.INDEXER_TILES, chunk=8))
     if request.param == "tile":
         monkeypatch.setattr(launch, "ROW_MODE_MAX_ROWS", 0)

@@ -118,8 +118,10 @@ def mla_cases(rows: int, context: int) -> list[Case]:
 
 def v32_cases(rows: int, context: int) -> list[Case]:
     """DeepSeek-V3.2: the lightning indexer (64 heads x 128, e4m3 queries and ue8m0 keys), the top-2048 selection,
-    sparse MLA over the selected rows (128 heads, fp8_ds_mla), and the three in a row."""
+    sparse MLA over the selected rows (128 heads, fp8_ds_mla), and the three in a row; the selection
+    is timed as the models run it (the Triton radix select) and as ``torch.topk`` over int64 keys."""
     from pcppass.kernels.attention.launch import indexer_scores, mla_attention, select_topk
+    from pcppass.kernels.attention.select import select_topk_triton
     from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows, quantize_indexer_query
 
     hi, dim, topk, heads, latent, rope, bs = 64, 128, 2048, 128, 512, 64, 64
@@ -144,13 +146,15 @@ def v32_cases(rows: int, context: int) -> list[Case]:
         picked = select_topk(scores, topk)
         calls = {
             "indexer_scores": lambda q=q, w=w, c=icache, st=step: indexer_scores(q, w, c, st, 128),
-            "topk_select": lambda sc=scores: select_topk(sc, topk),
+            "topk_select": lambda sc=scores: select_topk_triton(sc, topk),
+            "topk_select_torch": lambda sc=scores: select_topk(sc, topk),
             "sparse_mla": lambda c=mcache, st=step, p=picked: mla_attention(q_lat, q_pe, c, st, 0.07, True, p),
             "v32_indexer_topk_sparse_mla": lambda q=q, w=w, ic=icache, mc=mcache, st=step: mla_attention(
-                q_lat, q_pe, mc, st, 0.07, True, select_topk(indexer_scores(q, w, ic, st, 128), topk)),
+                q_lat, q_pe, mc, st, 0.07, True, select_topk_triton(indexer_scores(q, w, ic, st, 128), topk)),
         }
         floors = {"indexer_scores": (index_bytes + rows * scores.shape[1] * 4, 2.0 * rows * context * hi * dim),
                   "topk_select": (rows * scores.shape[1] * 4, 0.0),
+                  "topk_select_torch": (rows * scores.shape[1] * 4, 0.0),
                   "sparse_mla": (sparse_bytes, 2.0 * rows * heads * topk * (2 * latent + rope)),
                   "v32_indexer_topk_sparse_mla": (index_bytes + sparse_bytes,
                                                   2.0 * rows * (context * hi * dim + heads * topk * (2 * latent + rope)))}

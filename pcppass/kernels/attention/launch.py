@@ -47,6 +47,7 @@ class IndexerTiles:
     chunk: int = INDEXER_CHUNK
     warps: int = 4
     stages: int = 2
+    keys_major: bool = True  # e4m3 queries: the dot as keys x heads (the head sum within quads)
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,11 @@ class MlaTiles:
     sparse_split: int = SPARSE_SPLIT
 
 
-INDEXER_TILES = IndexerTiles()
+#: measured on the H200 (bench/results/attention_tiles_h200.*): the indexer at 32 / 64 rows, 32k;
+#: sparse MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row)
+INDEXER_TILES = IndexerTiles(bn=128, chunk=2048)
 MLA_TILES = MlaTiles()
+SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=4, sparse_split=1024)
 
 
 def _pow2(n: int) -> int:
@@ -222,7 +226,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     ``index [T, K]`` (sparse): each row attends to those logical positions only (``-1``: unused).
     """
     q_lat, q_pe = _rows_of(q_lat), _rows_of(q_pe)
-    tiles = tiles or MLA_TILES
+    sparse = index is not None
+    tiles = tiles or (SPARSE_MLA_TILES if sparse else MLA_TILES)
     t, heads, lat = q_lat.shape
     if lat > 128 and lat % 128 or lat // 128 not in (0, 1, 2, 4) or lat < 128 and lat & (lat - 1):
         raise ValueError(f"mla_attention: latent width {lat}: a power of two up to 128, or 256 or 512")
@@ -231,7 +236,6 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     group = mla_heads_per_program(heads, tiles)
     if heads % group:
         raise ValueError(f"mla_attention: {heads} heads are not a multiple of {group}")
-    sparse = index is not None
     schedule = tile_schedule(rows.query_start_loc, t, 1 if sparse else max(1, TILE_M // group))
     span = index.shape[1] if sparse else rows.tables.shape[1] * bs
     splits, split = _splits(schedule, span, tiles.sparse_split if sparse else MLA_SPLIT)
@@ -282,7 +286,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
             rows.is_padding, scores, span, q.stride(0), q.stride(1), weights.stride(0), flat.stride(0),
             rows.tables.stride(0), scores.stride(0),
             BLOCK_SIZE=bs, HI=heads, HP=max(MIN_DOT, _pow2(heads)), D=d, QBS=quant_block_size, BN=tiles.bn,
-            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), Q_FP8=q_fp8, num_warps=tiles.warps,
+            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), Q_FP8=q_fp8, KEYS_MAJOR=tiles.keys_major,
+            num_warps=tiles.warps,
             num_stages=tiles.stages,
         )
     return scores
