@@ -48,7 +48,7 @@ def mode(request, monkeypatch):
         for name in ("GQA_SPLIT", "MLA_SPLIT"):
             monkeypatch.setattr(launch, name, 8)
         monkeypatch.setattr(launch, "SPARSE_MLA_TILES", replace(launch.SPARSE_MLA_TILES, sparse_split=8))
-        monkeypatch.setattr(launch, "INDEXER_TILES", replace(launch.INDEXER_TILES, chunk=8))
+        monkeypatch.setattr(launch, "INDEXER_TILES", replace(launch.INDEXER_TILES, chunk=8, bn=16))
     if request.param == "tile":
         monkeypatch.setattr(launch, "ROW_MODE_MAX_ROWS", 0)
         monkeypatch.setattr(launch, "TILE_M", 8)

@@ -64,7 +64,7 @@ class MlaTiles:
 
 #: measured on the H200 (bench/results/attention_tiles_h200.*): the indexer at 32 / 64 rows, 32k;
 #: sparse MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row)
-INDEXER_TILES = IndexerTiles(bn=128, chunk=2048)
+INDEXER_TILES = IndexerTiles(bn=256, chunk=2048, stages=3)
 MLA_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=4, sparse_split=1024)
 
