@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from pcppass.bench.environment import environment
-from pcppass.bench.kernels import DATASHEET_HBM, input_sets
+from pcppass.bench.kernels import DATASHEET_HBM, V32, input_sets, v32_input_set
 from pcppass.bench.timing import time_graph
 from pcppass.kernels.attention.launch import INDEXER_TILES, SPARSE_MLA_TILES, IndexerTiles, MlaTiles
 
-HI, DIM, TOPK, HEADS, LATENT, ROPE, BS = 64, 128, 2048, 128, 512, 64, 64
+DIM, TOPK = V32["dim"], V32["topk"]
 
 
 def indexer_grid() -> list[IndexerTiles]:
@@ -48,28 +48,8 @@ def mla_grid() -> list[MlaTiles]:
 
 
 def v32_inputs(rows: int, context: int) -> list[dict]:
-    """``input_sets`` sets of the V3.2 kernels' inputs (as :func:`pcppass.bench.kernels.v32_cases`)."""
-    from pcppass.bench.kernels import decode_rows
-    from pcppass.kernels.attention.launch import indexer_scores, select_topk
-    from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows, quantize_indexer_query
-
-    out = []
-    for s in range(input_sets(rows * min(TOPK, context) * 656)):
-        step, blocks = decode_rows(rows, context, BS, first_request=s * rows)
-        keys = torch.randn(blocks * BS, DIM, device="cuda", dtype=torch.bfloat16)
-        codes, scales = encode_indexer_rows(keys, 128, "ue8m0")
-        icache = torch.cat((codes.view(blocks, BS * DIM), scales.view(blocks, BS * 4)), 1)
-        del keys
-        kv = torch.randn(blocks * BS, LATENT + ROPE, device="cuda", dtype=torch.bfloat16)
-        mcache = encode_ds_mla_rows(kv[:, :LATENT], kv[:, LATENT:]).view(blocks, BS, -1)
-        del kv
-        q, w = quantize_indexer_query(torch.randn(rows, HI, DIM, device="cuda", dtype=torch.bfloat16),
-                                      torch.randn(rows, HI, device="cuda").abs(), "ue8m0")
-        picked = select_topk(indexer_scores(q, w, icache, step, 128), TOPK)
-        out.append({"step": step, "icache": icache, "mcache": mcache, "q": q, "w": w, "picked": picked,
-                    "q_lat": torch.randn(rows, HEADS, LATENT, device="cuda", dtype=torch.bfloat16),
-                    "q_pe": torch.randn(rows, HEADS, ROPE, device="cuda", dtype=torch.bfloat16)})
-    return out
+    """``input_sets`` sets of the V3.2 kernels' inputs (those of :func:`pcppass.bench.kernels.v32_cases`)."""
+    return [v32_input_set(rows, context, s) for s in range(input_sets(rows * min(TOPK, context) * 656))]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

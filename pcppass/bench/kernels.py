@@ -116,41 +116,58 @@ def mla_cases(rows: int, context: int) -> list[Case]:
     return out
 
 
+#: DeepSeek-V3.2 widths: indexer heads and head dim, top-k, attention heads, latent, RoPE, block size
+V32 = dict(hi=64, dim=128, topk=2048, heads=128, latent=512, rope=64, bs=64)
+
+
+def v32_input_set(rows: int, context: int, index: int) -> dict[str, Any]:
+    """Input set ``index`` of the V3.2 kernels at ``rows`` decode rows of context ``context``: the
+    step, the fp8 indexer cache (ue8m0 keys), the fp8_ds_mla latent cache, DeepSeek's e4m3 indexer
+    query with its weights, the attention queries, the indexer scores and their top-k."""
+    from pcppass.kernels.attention.launch import indexer_scores, select_topk
+    from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows, quantize_indexer_query
+
+    hi, dim, topk, heads, latent, rope, bs = (V32[k] for k in ("hi", "dim", "topk", "heads", "latent", "rope", "bs"))
+    step, blocks = decode_rows(rows, context, bs, first_request=index * rows)
+    keys = torch.randn(blocks * bs, dim, device="cuda", dtype=torch.bfloat16)
+    codes, scales = encode_indexer_rows(keys, dim, "ue8m0")
+    icache = torch.cat((codes.view(blocks, bs * dim), scales.view(blocks, bs * 4)), 1)
+    del keys
+    kv = torch.randn(blocks * bs, latent + rope, device="cuda", dtype=torch.bfloat16)
+    mcache = encode_ds_mla_rows(kv[:, :latent], kv[:, latent:]).view(blocks, bs, -1)
+    del kv
+    q, w = quantize_indexer_query(torch.randn(rows, hi, dim, device="cuda", dtype=torch.bfloat16),
+                                  torch.randn(rows, hi, device="cuda").abs(), "ue8m0")
+    scores = indexer_scores(q, w, icache, step, dim)
+    return {"step": step, "icache": icache, "mcache": mcache, "q": q, "w": w, "scores": scores,
+            "picked": select_topk(scores, topk),
+            "q_lat": torch.randn(rows, heads, latent, device="cuda", dtype=torch.bfloat16),
+            "q_pe": torch.randn(rows, heads, rope, device="cuda", dtype=torch.bfloat16)}
+
+
 def v32_cases(rows: int, context: int) -> list[Case]:
     """DeepSeek-V3.2: the lightning indexer (64 heads x 128, e4m3 queries and ue8m0 keys), the top-2048 selection,
     sparse MLA over the selected rows (128 heads, fp8_ds_mla), and the three in a row; the selection
     is timed as the models run it (the Triton radix select) and as ``torch.topk`` over int64 keys."""
     from pcppass.kernels.attention.launch import indexer_scores, mla_attention, select_topk
     from pcppass.kernels.attention.select import select_topk_triton
-    from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows, quantize_indexer_query
 
-    hi, dim, topk, heads, latent, rope, bs = 64, 128, 2048, 128, 512, 64, 64
+    hi, dim, topk, heads, latent, rope = (V32[k] for k in ("hi", "dim", "topk", "heads", "latent", "rope"))
     index_bytes = rows * context * (dim + 4)
     sparse_bytes = rows * min(topk, context) * 656
-    sets = input_sets(sparse_bytes)
     cases: dict[str, Case] = {}
-    for s in range(sets):
-        step, blocks = decode_rows(rows, context, bs, first_request=s * rows)
-        keys = torch.randn(blocks * bs, dim, device="cuda", dtype=torch.bfloat16)
-        codes, scales = encode_indexer_rows(keys, 128, "ue8m0")
-        icache = torch.cat((codes.view(blocks, bs * dim), scales.view(blocks, bs * 4)), 1)
-        del keys
-        kv = torch.randn(blocks * bs, latent + rope, device="cuda", dtype=torch.bfloat16)
-        mcache = encode_ds_mla_rows(kv[:, :latent], kv[:, latent:]).view(blocks, bs, -1)
-        del kv
-        q, w = quantize_indexer_query(torch.randn(rows, hi, dim, device="cuda", dtype=torch.bfloat16),
-                                      torch.randn(rows, hi, device="cuda").abs(), "ue8m0")
-        q_lat = torch.randn(rows, heads, latent, device="cuda", dtype=torch.bfloat16)
-        q_pe = torch.randn(rows, heads, rope, device="cuda", dtype=torch.bfloat16)
-        scores = indexer_scores(q, w, icache, step, 128)
-        picked = select_topk(scores, topk)
+    for s in range(input_sets(sparse_bytes)):
+        inputs = v32_input_set(rows, context, s)
+        step, icache, mcache, q, w, scores, picked, q_lat, q_pe = (inputs[k] for k in (
+            "step", "icache", "mcache", "q", "w", "scores", "picked", "q_lat", "q_pe"))
         calls = {
             "indexer_scores": lambda q=q, w=w, c=icache, st=step: indexer_scores(q, w, c, st, 128),
             "topk_select": lambda sc=scores: select_topk_triton(sc, topk),
             "topk_select_torch": lambda sc=scores: select_topk(sc, topk),
-            "sparse_mla": lambda c=mcache, st=step, p=picked: mla_attention(q_lat, q_pe, c, st, 0.07, True, p),
-            "v32_indexer_topk_sparse_mla": lambda q=q, w=w, ic=icache, mc=mcache, st=step: mla_attention(
-                q_lat, q_pe, mc, st, 0.07, True, select_topk_triton(indexer_scores(q, w, ic, st, 128), topk)),
+            "sparse_mla": lambda c=mcache, st=step, p=picked, ql=q_lat, qp=q_pe: mla_attention(
+                ql, qp, c, st, 0.07, True, p),
+            "v32_indexer_topk_sparse_mla": lambda q=q, w=w, ic=icache, mc=mcache, st=step, ql=q_lat, qp=q_pe: (
+                mla_attention(ql, qp, mc, st, 0.07, True, select_topk_triton(indexer_scores(q, w, ic, st, 128), topk))),
         }
         floors = {"indexer_scores": (index_bytes + rows * scores.shape[1] * 4, 2.0 * rows * context * hi * dim),
                   "topk_select": (rows * scores.shape[1] * 4, 0.0),
