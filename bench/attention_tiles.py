@@ -1,6 +1,6 @@
-"""Launch shapes of the DeepSeek-V3.2 attention kernels side by side on one GPU.
+"""Launch shapes of the paged attention kernels side by side on one GPU.
 
-    python bench/attention_tiles.py --rows 32,64 --context 16384,32768 --out bench/results --tag h200
+    python bench/attention_tiles.py --rows 32,64 --context 16384,32768 --out bench/results --tag h200 [--dense]
 
 For each decode shape of :func:`pcppass.bench.kernels.v32_cases` (the same inputs, several input
 sets so the caches come from HBM), every :class:`~pcppass.kernels.attention.launch.IndexerTiles`
@@ -12,6 +12,8 @@ The indexer runs on DeepSeek-V3.2's e4m3 query (one scale per head, folded into 
 
 Writes ``<out>/attention_tiles_<tag>.json`` (device, versions, date, configuration, every shape's
 time and error) and ``.md`` (per kernel and decode shape: the default and the five fastest).
+``--dense`` adds Llama's GQA (bf16 and fp8 K/V) and DeepSeek-V2's dense MLA (bf16 and fp8_ds_mla)
+over the grids of :func:`gqa_grid` and :func:`dense_mla_grid`.
 """
 
 from __future__ import annotations
@@ -28,9 +30,18 @@ import torch
 from pcppass.bench.environment import environment
 from pcppass.bench.kernels import DATASHEET_HBM, V32, input_sets, v32_input_set
 from pcppass.bench.timing import time_graph
-from pcppass.kernels.attention.launch import INDEXER_TILES, SPARSE_MLA_TILES, IndexerTiles, MlaTiles
+from pcppass.kernels.attention.launch import (
+    GQA_TILES,
+    INDEXER_TILES,
+    MLA_TILES,
+    SPARSE_MLA_TILES,
+    GqaTiles,
+    IndexerTiles,
+    MlaTiles,
+)
 
 DIM, TOPK = V32["dim"], V32["topk"]
+KERNELS = ("indexer", "sparse_mla", "gqa_bf16", "gqa_fp8", "mla_bf16", "mla_fp8_ds_mla")
 
 
 def indexer_grid() -> list[IndexerTiles]:
@@ -75,42 +86,66 @@ def time_calls(calls, reps: int) -> float | str:
     return statistics.median(ms) * 1000 / len(calls) if ms is not None else status
 
 
-def sweep_indexer(sets: list[dict], reps: int) -> list[dict]:
+def sweep(grid: list, run, sets: list, reps: int) -> list[dict]:
+    """Every launch shape of ``grid``: its output on the first input set against the first
+    shape's (the launcher's default), then its time over all sets; ``run(tiles, inputs)``."""
+    want = run(grid[0], sets[0])
+    results = []
+    for tiles in grid:
+        try:
+            err = rel_err(run(tiles, sets[0]), want)
+        except Exception as exc:
+            results.append({"tiles": asdict(tiles), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            continue
+        us = time_calls([lambda s=s: run(tiles, s) for s in sets], reps)
+        results.append({"tiles": asdict(tiles), "rel_err": err, **({"us": us} if isinstance(us, float) else
+                                                                   {"error": us})})
+    return results
+
+
+def run_indexer(tiles: IndexerTiles, s: dict) -> torch.Tensor:
     from pcppass.kernels.attention.launch import indexer_scores
 
-    first = sets[0]
-    want = indexer_scores(first["q"], first["w"], first["icache"], first["step"], 128)
-    results = []
-    for tiles in indexer_grid():
-        try:
-            err = rel_err(indexer_scores(first["q"], first["w"], first["icache"], first["step"], 128, tiles), want)
-        except Exception as exc:
-            results.append({"tiles": asdict(tiles), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-            continue
-        us = time_calls([lambda s=s: indexer_scores(s["q"], s["w"], s["icache"], s["step"], 128, tiles)
-                         for s in sets], reps)
-        results.append({"tiles": asdict(tiles), "rel_err": err, **({"us": us} if isinstance(us, float) else
-                                                                   {"error": us})})
-    return results
+    return indexer_scores(s["q"], s["w"], s["icache"], s["step"], DIM, tiles)
 
 
-def sweep_sparse_mla(sets: list[dict], reps: int) -> list[dict]:
+def run_sparse_mla(tiles: MlaTiles, s: dict) -> torch.Tensor:
     from pcppass.kernels.attention.launch import mla_attention
 
-    first = sets[0]
-    args = lambda s: (s["q_lat"], s["q_pe"], s["mcache"], s["step"], 0.07, True, s["picked"])  # noqa: E731
-    want = mla_attention(*args(first))
-    results = []
-    for tiles in mla_grid():
-        try:
-            err = rel_err(mla_attention(*args(first), tiles=tiles), want)
-        except Exception as exc:
-            results.append({"tiles": asdict(tiles), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-            continue
-        us = time_calls([lambda s=s: mla_attention(*args(s), tiles=tiles) for s in sets], reps)
-        results.append({"tiles": asdict(tiles), "rel_err": err, **({"us": us} if isinstance(us, float) else
-                                                                   {"error": us})})
-    return results
+    return mla_attention(s["q_lat"], s["q_pe"], s["mcache"], s["step"], 0.07, True, s["picked"], tiles=tiles)
+
+
+def gqa_grid() -> list[GqaTiles]:
+    shapes = [GqaTiles(bn=bn, warps=warps, stages=stages)
+              for bn, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    return [GQA_TILES] + [s for s in shapes if s != GQA_TILES]
+
+
+def dense_mla_grid() -> list[MlaTiles]:
+    shapes = [MlaTiles(bn=bn, warps=warps, stages=stages)
+              for bn, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
+    return [MLA_TILES] + [s for s in shapes if s != MLA_TILES]
+
+
+def dense_sweeps(rows: int, context: int, reps: int) -> dict[str, list[dict]]:
+    """Llama's GQA (bf16 and fp8 K/V) and DeepSeek-V2's dense MLA (bf16 and fp8_ds_mla): their
+    caches are larger than L2, so one input set."""
+    from pcppass.bench.kernels import gqa_inputs, mla_inputs
+    from pcppass.kernels.attention.launch import gqa_attention, mla_attention
+
+    out = {}
+    for fp8 in (False, True):
+        q, k, v, step, *scales = gqa_inputs(rows, context, fp8)
+        out["gqa_fp8" if fp8 else "gqa_bf16"] = sweep(
+            gqa_grid(), lambda tiles, _: gqa_attention(q, k, v, step, q.shape[2] ** -0.5, *scales, tiles=tiles),
+            [None], reps)
+        del q, k, v
+    q_lat, q_pe, step, caches = mla_inputs(rows, context)
+    for ds_mla, cache in caches.items():
+        out["mla_fp8_ds_mla" if ds_mla else "mla_bf16"] = sweep(
+            dense_mla_grid(), lambda tiles, _: mla_attention(q_lat, q_pe, cache, step, 0.07, ds_mla, tiles=tiles),
+            [None], reps)
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -118,7 +153,7 @@ def markdown(result: dict) -> str:
     lines = [f"# V3.2 attention launch shapes: {env.get('device')}", "",
              f"{env['date']} · torch {env['torch']} · triton {env.get('triton')} · CUDA graph replays, median", ""]
     for shape in result["shapes"]:
-        for kernel in ("indexer", "sparse_mla"):
+        for kernel in (k for k in KERNELS if k in shape):
             entries = [e for e in shape[kernel] if "us" in e]
             floor = shape["floor_bytes"][kernel] / DATASHEET_HBM * 1e6
             lines += [f"## {kernel}, {shape['rows']} rows, context {shape['context']} (byte floor {floor:.1f} µs)",
@@ -139,6 +174,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="h200")
+    parser.add_argument("--dense", action="store_true", help="also GQA (bf16, fp8) and dense MLA (bf16, fp8_ds_mla)")
     args = parser.parse_args()
     result = {"environment": environment(), "config": vars(args), "shapes": []}
     for rows, context in itertools.product(map(int, args.rows.split(",")), map(int, args.context.split(","))):
@@ -146,14 +182,23 @@ def main() -> int:
         shape = {"rows": rows, "context": context, "input_sets": len(sets),
                  "floor_bytes": {"indexer": rows * context * (DIM + 4) + rows * context * 4,
                                  "sparse_mla": rows * min(TOPK, context) * 656},
-                 "indexer": sweep_indexer(sets, args.reps), "sparse_mla": sweep_sparse_mla(sets, args.reps)}
+                 "indexer": sweep(indexer_grid(), run_indexer, sets, args.reps),
+                 "sparse_mla": sweep(mla_grid(), run_sparse_mla, sets, args.reps)}
+        del sets
+        torch.cuda.empty_cache()
+        if args.dense:
+            shape.update(dense_sweeps(rows, context, args.reps))
+            shape["floor_bytes"].update({
+                "gqa_bf16": rows * context * 8 * 128 * 2 * 2, "gqa_fp8": rows * context * 8 * 128 * 2,
+                "mla_bf16": rows * context * 576 * 2, "mla_fp8_ds_mla": rows * context * 656})
         result["shapes"].append(shape)
-        for kernel in ("indexer", "sparse_mla"):
+        for kernel in KERNELS:
+            if kernel not in shape:
+                continue
             best = min((e for e in shape[kernel] if "us" in e), key=lambda e: e["us"], default=None)
             default = shape[kernel][0].get("us")
             print(f"{kernel} rows={rows} C={context}: default {default} us, best {best and best['us']:.1f} us "
                   f"{best and best['tiles']} err {best and best['rel_err']:.1e}", flush=True)
-        del sets
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

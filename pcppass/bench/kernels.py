@@ -78,24 +78,31 @@ def input_sets(bytes_per_call: int) -> int:
     return max(1, min(8, math.ceil(3 * L2_BYTES / max(bytes_per_call, 1))))
 
 
-def gqa_case(rows: int, context: int, fp8: bool) -> Case:
-    from pcppass.kernels.attention.launch import gqa_attention
-
-    heads, kv_heads, dim, bs = 32, 8, 128, 64  # Llama-3.1-8B
+def gqa_inputs(rows: int, context: int, fp8: bool) -> tuple:
+    """(q, K cache, V cache, step, k_scale, v_scale) of Llama-3.1-8B's GQA (32 q / 8 kv heads x 128)."""
+    heads, kv_heads, dim, bs = 32, 8, 128, 64
     step, blocks = decode_rows(rows, context, bs)
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     k = torch.randn(blocks, bs, kv_heads, dim, device="cuda").to(dtype)
     v = torch.randn(blocks, bs, kv_heads, dim, device="cuda").to(dtype)
     q = torch.randn(rows, heads, dim, device="cuda", dtype=torch.bfloat16)
     scales = (torch.ones(1, device="cuda"), torch.ones(1, device="cuda")) if fp8 else (None, None)
-    kv_bytes = rows * context * kv_heads * dim * 2 * k.element_size()
+    return q, k, v, step, *scales
+
+
+def gqa_case(rows: int, context: int, fp8: bool) -> Case:
+    from pcppass.kernels.attention.launch import gqa_attention
+
+    q, k, v, step, *scales = gqa_inputs(rows, context, fp8)
+    heads, dim = q.shape[1], q.shape[2]
+    kv_bytes = rows * context * k.shape[2] * dim * 2 * k.element_size()
     return Case("gqa_fp8" if fp8 else "gqa_bf16", rows, context, kv_bytes + 2 * q.numel() * 2, 4.0 * rows * heads * context * dim,
                 [lambda: gqa_attention(q, k, v, step, dim**-0.5, *scales)])
 
 
-def mla_cases(rows: int, context: int) -> list[Case]:
-    """Dense MLA (DeepSeek-V2 widths: 16 heads) over bf16 and fp8_ds_mla latent caches."""
-    from pcppass.kernels.attention.launch import mla_attention
+def mla_inputs(rows: int, context: int) -> tuple:
+    """(q_lat, q_pe, step, {ds_mla: latent cache}) of DeepSeek-V2's dense MLA (16 heads, 512 + 64)
+    over a bf16 and an fp8_ds_mla cache of the same rows."""
     from pcppass.kernels.quant import encode_ds_mla_rows
 
     heads, latent, rope, bs = 16, 512, 64, 64
@@ -103,10 +110,19 @@ def mla_cases(rows: int, context: int) -> list[Case]:
     q_lat = torch.randn(rows, heads, latent, device="cuda", dtype=torch.bfloat16)
     q_pe = torch.randn(rows, heads, rope, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(blocks * bs, latent + rope, device="cuda", dtype=torch.bfloat16)
+    caches = {ds_mla: (encode_ds_mla_rows(kv[:, :latent], kv[:, latent:]) if ds_mla else kv).view(blocks, bs, -1)
+              for ds_mla in (False, True)}
+    return q_lat, q_pe, step, caches
+
+
+def mla_cases(rows: int, context: int) -> list[Case]:
+    """Dense MLA (DeepSeek-V2 widths: 16 heads) over bf16 and fp8_ds_mla latent caches."""
+    from pcppass.kernels.attention.launch import mla_attention
+
+    q_lat, q_pe, step, caches = mla_inputs(rows, context)
+    heads, latent, rope = q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]
     out = []
-    for ds_mla in (False, True):
-        cache = encode_ds_mla_rows(kv[:, :latent], kv[:, latent:]) if ds_mla else kv
-        cache = cache.view(blocks, bs, -1)
+    for ds_mla, cache in caches.items():
         row_bytes = cache.shape[-1] * cache.element_size()
         flops = 2.0 * rows * heads * context * (2 * latent + rope)
         out.append(Case("mla_fp8_ds_mla" if ds_mla else "mla_bf16", rows, context,

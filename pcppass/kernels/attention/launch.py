@@ -40,6 +40,15 @@ MIN_DOT = 16
 
 
 @dataclass(frozen=True)
+class GqaTiles:
+    """Launch shape of :func:`gqa_attention`: ``bn`` keys per tile."""
+
+    bn: int = 64
+    warps: int = 4
+    stages: int = 2
+
+
+@dataclass(frozen=True)
 class IndexerTiles:
     """Launch shape of :func:`indexer_scores`: ``chunk`` positions per program, ``bn`` keys per tile."""
 
@@ -64,6 +73,7 @@ class MlaTiles:
 
 #: measured on the H200 (bench/results/attention_tiles_h200.*): the indexer at 32 / 64 rows, 32k;
 #: sparse MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row)
+GQA_TILES = GqaTiles()
 INDEXER_TILES = IndexerTiles(bn=256, chunk=2048, stages=3)
 MLA_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=4, sparse_split=1024)
@@ -179,10 +189,12 @@ def _ieee(dtype: torch.dtype) -> bool:
 
 
 def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: StepRows, scale: float,
-                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  tiles: GqaTiles | None = None) -> torch.Tensor:
     """Causal paged GQA attention: ``q [T, H, D]``, caches ``[nb, bs, Hk, D]`` (fp8 caches with
     per-tensor ``k_scale`` / ``v_scale``) -> ``[T, H, Dv]`` in ``q``'s dtype."""
     q = _rows_of(q)
+    launch_shape = tiles or GQA_TILES
     t, heads, d = q.shape
     _, bs, kv_heads, dv = v_cache.shape
     group = heads // kv_heads
@@ -203,9 +215,9 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), rows.tables.stride(0),
             out.stride(0), out.stride(1),
-            BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=64, D=d, DV=dv,
+            BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=launch_shape.bn, D=d, DV=dv,
             SPLIT=split, ROW_MODE=tiles.row_mode, FP8=fp8, DIRECT=splits == 1, IEEE=_ieee(q.dtype),
-            num_warps=4, num_stages=2,
+            num_warps=launch_shape.warps, num_stages=launch_shape.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
     return out
