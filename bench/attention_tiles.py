@@ -31,13 +31,13 @@ from pcppass.bench.environment import environment
 from pcppass.bench.kernels import DATASHEET_HBM, V32, input_sets, v32_input_set
 from pcppass.bench.timing import time_graph
 from pcppass.kernels.attention.launch import (
-    GQA_TILES,
     INDEXER_TILES,
-    MLA_TILES,
     SPARSE_MLA_TILES,
     GqaTiles,
     IndexerTiles,
     MlaTiles,
+    gqa_tiles,
+    mla_tiles,
 )
 
 DIM, TOPK = V32["dim"], V32["topk"]
@@ -115,16 +115,18 @@ def run_sparse_mla(tiles: MlaTiles, s: dict) -> torch.Tensor:
     return mla_attention(s["q_lat"], s["q_pe"], s["mcache"], s["step"], 0.07, True, s["picked"], tiles=tiles)
 
 
-def gqa_grid() -> list[GqaTiles]:
+def gqa_grid(fp8: bool) -> list[GqaTiles]:
     shapes = [GqaTiles(bn=bn, warps=warps, stages=stages)
               for bn, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
-    return [GQA_TILES] + [s for s in shapes if s != GQA_TILES]
+    default = gqa_tiles(True, fp8)
+    return [default] + [s for s in shapes if s != default]
 
 
-def dense_mla_grid() -> list[MlaTiles]:
+def dense_mla_grid(ds_mla: bool) -> list[MlaTiles]:
     shapes = [MlaTiles(bn=bn, warps=warps, stages=stages)
               for bn, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
-    return [MLA_TILES] + [s for s in shapes if s != MLA_TILES]
+    default = mla_tiles(True, ds_mla, False)
+    return [default] + [s for s in shapes if s != default]
 
 
 def dense_sweeps(rows: int, context: int, reps: int) -> dict[str, list[dict]]:
@@ -137,13 +139,13 @@ def dense_sweeps(rows: int, context: int, reps: int) -> dict[str, list[dict]]:
     for fp8 in (False, True):
         q, k, v, step, *scales = gqa_inputs(rows, context, fp8)
         out["gqa_fp8" if fp8 else "gqa_bf16"] = sweep(
-            gqa_grid(), lambda tiles, _: gqa_attention(q, k, v, step, q.shape[2] ** -0.5, *scales, tiles=tiles),
+            gqa_grid(fp8), lambda tiles, _: gqa_attention(q, k, v, step, q.shape[2] ** -0.5, *scales, launch_tiles=tiles),
             [None], reps)
         del q, k, v
     q_lat, q_pe, step, caches = mla_inputs(rows, context)
     for ds_mla, cache in caches.items():
         out["mla_fp8_ds_mla" if ds_mla else "mla_bf16"] = sweep(
-            dense_mla_grid(), lambda tiles, _: mla_attention(q_lat, q_pe, cache, step, 0.07, ds_mla, tiles=tiles),
+            dense_mla_grid(ds_mla), lambda tiles, _: mla_attention(q_lat, q_pe, cache, step, 0.07, ds_mla, tiles=tiles),
             [None], reps)
     return out
 

@@ -71,12 +71,28 @@ class MlaTiles:
     sparse_split: int = SPARSE_SPLIT
 
 
-#: measured on the H200 (bench/results/attention_tiles_h200.*): the indexer at 32 / 64 rows, 32k;
-#: sparse MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row)
-GQA_TILES = GqaTiles()
+#: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
+#: dense MLA at 32 rows, 32k (bf16 and fp8 caches apart); the indexer at 32 / 64 rows, 32k; sparse
+#: MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row). Prefill
+#: tiles (several rows per program) keep the shapes they were written with.
+GQA_TILES = GqaTiles(bn=128, stages=3)
+GQA_FP8_TILES = GqaTiles(bn=128, stages=2)
+GQA_PREFILL_TILES = GqaTiles()
 INDEXER_TILES = IndexerTiles(bn=256, chunk=2048, stages=3)
-MLA_TILES = MlaTiles()
+MLA_TILES = MlaTiles(bn=64, stages=3)
+MLA_FP8_TILES = MlaTiles(bn=64, stages=2)
+MLA_PREFILL_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=4, sparse_split=1024)
+
+
+def gqa_tiles(row_mode: bool, fp8: bool) -> GqaTiles:
+    return (GQA_FP8_TILES if fp8 else GQA_TILES) if row_mode else GQA_PREFILL_TILES
+
+
+def mla_tiles(row_mode: bool, ds_mla: bool, sparse: bool) -> MlaTiles:
+    if sparse:
+        return SPARSE_MLA_TILES
+    return (MLA_FP8_TILES if ds_mla else MLA_TILES) if row_mode else MLA_PREFILL_TILES
 
 
 def _pow2(n: int) -> int:
@@ -190,11 +206,10 @@ def _ieee(dtype: torch.dtype) -> bool:
 
 def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: StepRows, scale: float,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  tiles: GqaTiles | None = None) -> torch.Tensor:
+                  launch_tiles: GqaTiles | None = None) -> torch.Tensor:
     """Causal paged GQA attention: ``q [T, H, D]``, caches ``[nb, bs, Hk, D]`` (fp8 caches with
     per-tensor ``k_scale`` / ``v_scale``) -> ``[T, H, Dv]`` in ``q``'s dtype."""
     q = _rows_of(q)
-    launch_shape = tiles or GQA_TILES
     t, heads, d = q.shape
     _, bs, kv_heads, dv = v_cache.shape
     group = heads // kv_heads
@@ -203,6 +218,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     rows_per_tile = max(1, TILE_M // group)
     tiles = tile_schedule(rows.query_start_loc, t, rows_per_tile)
+    launch_shape = launch_tiles or gqa_tiles(tiles.row_mode, fp8)
     span = rows.tables.shape[1] * bs
     splits, split = _splits(tiles, span, GQA_SPLIT)
     out, part_o, part_ml = _outputs(t, heads, dv, splits, q.dtype, q.device)
@@ -239,16 +255,18 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     """
     q_lat, q_pe = _rows_of(q_lat), _rows_of(q_pe)
     sparse = index is not None
-    tiles = tiles or (SPARSE_MLA_TILES if sparse else MLA_TILES)
     t, heads, lat = q_lat.shape
     if lat > 128 and lat % 128 or lat // 128 not in (0, 1, 2, 4) or lat < 128 and lat & (lat - 1):
         raise ValueError(f"mla_attention: latent width {lat}: a power of two up to 128, or 256 or 512")
     rope = q_pe.shape[2]
     nb, bs = cache.shape[0], cache.shape[1]
-    group = mla_heads_per_program(heads, tiles)
+    group = mla_heads_per_program(heads, tiles or mla_tiles(True, ds_mla, sparse))
     if heads % group:
         raise ValueError(f"mla_attention: {heads} heads are not a multiple of {group}")
     schedule = tile_schedule(rows.query_start_loc, t, 1 if sparse else max(1, TILE_M // group))
+    tiles = tiles or mla_tiles(schedule.row_mode, ds_mla, sparse)
+    if mla_heads_per_program(heads, tiles) != group:
+        raise ValueError(f"mla_attention: launch shape {tiles} stacks a different number of heads")
     span = index.shape[1] if sparse else rows.tables.shape[1] * bs
     splits, split = _splits(schedule, span, tiles.sparse_split if sparse else MLA_SPLIT)
     out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat.dtype, q_lat.device)
