@@ -128,7 +128,6 @@ def mla_cases(rows: int, context: int) -> list[Case]:
         out.append(Case("mla_fp8_ds_mla" if ds_mla else "mla_bf16", rows, context,
                         rows * context * row_bytes + 2 * q_lat.numel() * 2, flops,
                         [lambda c=cache, d=ds_mla: mla_attention(q_lat, q_pe, c, step, 0.07, d)]))
-    del kv
     return out
 
 
