@@ -30,6 +30,7 @@ import torch
 from pcppass.bench.environment import environment
 from pcppass.bench.kernels import DATASHEET_HBM, V32, input_sets, v32_input_set
 from pcppass.bench.timing import time_graph
+from pcppass.kernels.attention.select import SELECT_TILES, SelectTiles, select_topk_triton
 from pcppass.kernels.attention.launch import (
     INDEXER_TILES,
     SPARSE_MLA_TILES,
@@ -41,7 +42,7 @@ from pcppass.kernels.attention.launch import (
 )
 
 DIM, TOPK = V32["dim"], V32["topk"]
-KERNELS = ("indexer", "sparse_mla", "gqa_bf16", "gqa_fp8", "mla_bf16", "mla_fp8_ds_mla")
+KERNELS = ("indexer", "sparse_mla", "topk_select", "gqa_bf16", "gqa_fp8", "mla_bf16", "mla_fp8_ds_mla")
 
 
 def indexer_grid() -> list[IndexerTiles]:
@@ -115,6 +116,16 @@ def run_sparse_mla(tiles: MlaTiles, s: dict) -> torch.Tensor:
     return mla_attention(s["q_lat"], s["q_pe"], s["mcache"], s["step"], 0.07, True, s["picked"], tiles=tiles)
 
 
+def select_grid() -> list[SelectTiles]:
+    shapes = [SelectTiles(chunk=chunk, warps=warps, sample=sample)
+              for chunk, warps, sample in itertools.product((1024, 2048, 4096), (4, 8, 16), (1024, 2048, 4096))]
+    return [SELECT_TILES] + [s for s in shapes if s != SELECT_TILES]
+
+
+def run_select(tiles: SelectTiles, s: dict) -> torch.Tensor:
+    return select_topk_triton(s["scores"], TOPK, tiles)
+
+
 def gqa_grid(fp8: bool) -> list[GqaTiles]:
     shapes = [GqaTiles(bn=bn, warps=warps, stages=stages)
               for bn, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
@@ -176,6 +187,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="h200")
+    parser.add_argument("--v32", default="indexer,sparse_mla,topk_select",
+                        help="which V3.2 kernels to sweep (comma list; empty: none)")
     parser.add_argument("--dense", action="store_true", help="also GQA (bf16, fp8) and dense MLA (bf16, fp8_ds_mla)")
     args = parser.parse_args()
     result = {"environment": environment(), "config": vars(args), "shapes": []}
@@ -183,9 +196,11 @@ def main() -> int:
         sets = v32_inputs(rows, context)
         shape = {"rows": rows, "context": context, "input_sets": len(sets),
                  "floor_bytes": {"indexer": rows * context * (DIM + 4) + rows * context * 4,
+                                 "topk_select": rows * context * 4,
                                  "sparse_mla": rows * min(TOPK, context) * 656},
-                 "indexer": sweep(indexer_grid(), run_indexer, sets, args.reps),
-                 "sparse_mla": sweep(mla_grid(), run_sparse_mla, sets, args.reps)}
+                 **{name: sweep(grid(), run, sets, args.reps) for name, grid, run in (
+                     ("indexer", indexer_grid, run_indexer), ("sparse_mla", mla_grid, run_sparse_mla),
+                     ("topk_select", select_grid, run_select)) if name in args.v32.split(",")}}
         del sets
         torch.cuda.empty_cache()
         if args.dense:

@@ -11,6 +11,7 @@ from a sample of the row, and the radix passes and the final compaction read tho
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,6 +34,19 @@ SAMPLE_RATIO = 4
 CANDIDATE_SLOTS = 2
 
 
+@dataclass(frozen=True)
+class SelectTiles:
+    """Launch shape of :func:`select_topk_triton` for long rows (more than
+    :data:`SELECT_MIN_CHUNK` keys): keys per chunk of a row, warps, sampled keys."""
+
+    chunk: int = SELECT_CHUNK
+    warps: int = SELECT_WARPS
+    sample: int = SAMPLE
+
+
+SELECT_TILES = SelectTiles()
+
+
 def sample_rank(k: int, length: int, sample: int) -> int:
     """Rank, among ``sample`` evenly spaced keys of ``length``, of the key used as lower bound:
     ``e = k * sample / length`` of them are expected at or above the k-th largest key of the row;
@@ -42,7 +56,7 @@ def sample_rank(k: int, length: int, sample: int) -> int:
     return min(sample, math.ceil(expected + 4 * math.sqrt(expected)) + 8)
 
 
-def select_topk_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
+def select_topk_triton(scores: torch.Tensor, k: int, tiles: SelectTiles | None = None) -> torch.Tensor:
     """Logical positions of the ``k`` largest scores of each row of ``scores [T, span]`` (float32,
     -inf: not visible, no NaN) -> ``[T, k]`` int64, ascending, ``-1`` for picks with a -inf score;
     bitwise the tensor :func:`pcppass.kernels.attention.launch.select_topk` returns.
@@ -70,6 +84,7 @@ def select_topk_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
                          f"{scores.dtype} {tuple(scores.shape)}")
     if k < 0:
         raise ValueError(f"select_topk_triton: k = {k} is negative")
+    tiles = tiles or SELECT_TILES
     rows, span = scores.shape
     out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     if rows == 0 or k == 0:
@@ -78,15 +93,15 @@ def select_topk_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
         scores = scores.contiguous()
     length = max(span, k)
     small = length <= SELECT_MIN_CHUNK
-    chunk = min(SELECT_CHUNK, SELECT_MIN_CHUNK if small else triton.next_power_of_2(length))
-    sampled = length >= max(SAMPLE_RATIO * k, 2 * SAMPLE)
+    chunk = min(tiles.chunk, SELECT_MIN_CHUNK if small else triton.next_power_of_2(length))
+    sampled = length >= max(SAMPLE_RATIO * k, 2 * tiles.sample)
     cap = min(length, CANDIDATE_SLOTS * k) if sampled else 0
     cand_keys = torch.empty(rows if sampled else 1, max(cap, 1), dtype=torch.int32, device=scores.device)
     cand_pos = torch.empty_like(cand_keys)
     kernels("select_kernels").topk_select_kernel[(rows,)](
         scores, out, cand_keys, cand_pos, span, length, k, scores.stride(0), out.stride(0), cand_keys.stride(0),
-        cap, length // SAMPLE, sample_rank(k, length, SAMPLE) if sampled else 0,
-        SAMPLED=sampled, SAMPLE=SAMPLE, ROW_CHUNK=chunk, CAND_CHUNK=CANDIDATE_CHUNK,
-        num_warps=SELECT_MIN_WARPS if small else SELECT_WARPS,
+        cap, length // tiles.sample, sample_rank(k, length, tiles.sample) if sampled else 0,
+        SAMPLED=sampled, SAMPLE=tiles.sample, ROW_CHUNK=chunk, CAND_CHUNK=CANDIDATE_CHUNK,
+        num_warps=SELECT_MIN_WARPS if small else tiles.warps,
     )
     return out
