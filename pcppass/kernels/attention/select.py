@@ -19,11 +19,13 @@ import triton
 from pcppass.kernels.attention.launch import kernels
 
 #: keys per chunk of a row (a row is re-read from L2 by each pass) and of the candidates (below
-#: 2**15: a compaction packs two counts of a chunk into one int32); 16 warps hold a 4096-key chunk
-#: without register spills in an sm_90 build (8 warps: 128 registers and spills)
+#: 2**15: a compaction packs two counts of a chunk into one int32); 8 warps: 36 / 52 µs per call at
+#: 32 rows, 16k / 32k on the H200 against 43 / 63 µs with 16 (bench/results/attention_tiles_select_h200.*:
+#: 27 shapes, every one's picks equal; 8 warps spill some registers in an sm_90 build and are
+#: still faster)
 SELECT_CHUNK = 4096
 CANDIDATE_CHUNK = 1024
-SELECT_WARPS = 16
+SELECT_WARPS = 8
 #: chunk and warps for rows of at most SELECT_MIN_CHUNK keys (at least one key per lane)
 SELECT_MIN_CHUNK = 1024
 SELECT_MIN_WARPS = 4
