@@ -12,8 +12,9 @@ The indexer runs on DeepSeek-V3.2's e4m3 query (one scale per head, folded into 
 
 Writes ``<out>/attention_tiles_<tag>.json`` (device, versions, date, configuration, every shape's
 time and error) and ``.md`` (per kernel and decode shape: the default and the five fastest).
-``--dense`` adds Llama's GQA (bf16 and fp8 K/V) and DeepSeek-V2's dense MLA (bf16 and fp8_ds_mla)
-over the grids of :func:`gqa_grid` and :func:`dense_mla_grid`.
+``--dense gqa_bf16,gqa_fp8,mla_bf16,mla_fp8_ds_mla`` adds Llama's GQA (bf16 and fp8 K/V) and
+DeepSeek-V2's dense MLA (bf16 and fp8_ds_mla) over the grids of :func:`gqa_grid` and
+:func:`dense_mla_grid`.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def run_select(tiles: SelectTiles, s: dict) -> torch.Tensor:
 
 def gqa_grid(fp8: bool) -> list[GqaTiles]:
     shapes = [GqaTiles(bn=bn, warps=warps, stages=stages)
-              for bn, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+              for bn, warps, stages in itertools.product((32, 64, 128, 256), (4, 8), (1, 2, 3, 4))]
     default = gqa_tiles(True, fp8)
     return [default] + [s for s in shapes if s != default]
 
@@ -140,7 +141,7 @@ def dense_mla_grid(ds_mla: bool) -> list[MlaTiles]:
     return [default] + [s for s in shapes if s != default]
 
 
-def dense_sweeps(rows: int, context: int, reps: int) -> dict[str, list[dict]]:
+def dense_sweeps(rows: int, context: int, reps: int, kernels: list[str]) -> dict[str, list[dict]]:
     """Llama's GQA (bf16 and fp8 K/V) and DeepSeek-V2's dense MLA (bf16 and fp8_ds_mla): their
     caches are larger than L2, so one input set."""
     from pcppass.bench.kernels import gqa_inputs, mla_inputs
@@ -148,6 +149,8 @@ def dense_sweeps(rows: int, context: int, reps: int) -> dict[str, list[dict]]:
 
     out = {}
     for fp8 in (False, True):
+        if ("gqa_fp8" if fp8 else "gqa_bf16") not in kernels:
+            continue
         q, k, v, step, *scales = gqa_inputs(rows, context, fp8)
         out["gqa_fp8" if fp8 else "gqa_bf16"] = sweep(
             gqa_grid(fp8), lambda tiles, _: gqa_attention(q, k, v, step, q.shape[2] ** -0.5, *scales, launch_tiles=tiles),
@@ -155,6 +158,8 @@ def dense_sweeps(rows: int, context: int, reps: int) -> dict[str, list[dict]]:
         del q, k, v
     q_lat, q_pe, step, caches = mla_inputs(rows, context)
     for ds_mla, cache in caches.items():
+        if ("mla_fp8_ds_mla" if ds_mla else "mla_bf16") not in kernels:
+            continue
         out["mla_fp8_ds_mla" if ds_mla else "mla_bf16"] = sweep(
             dense_mla_grid(ds_mla), lambda tiles, _: mla_attention(q_lat, q_pe, cache, step, 0.07, ds_mla, tiles=tiles),
             [None], reps)
@@ -189,7 +194,8 @@ def main() -> int:
     parser.add_argument("--tag", default="h200")
     parser.add_argument("--v32", default="indexer,sparse_mla,topk_select",
                         help="which V3.2 kernels to sweep (comma list; empty: none)")
-    parser.add_argument("--dense", action="store_true", help="also GQA (bf16, fp8) and dense MLA (bf16, fp8_ds_mla)")
+    parser.add_argument("--dense", default="", help="also these of gqa_bf16, gqa_fp8, mla_bf16, mla_fp8_ds_mla "
+                                                    "(comma list)")
     args = parser.parse_args()
     result = {"environment": environment(), "config": vars(args), "shapes": []}
     for rows, context in itertools.product(map(int, args.rows.split(",")), map(int, args.context.split(","))):
@@ -204,7 +210,7 @@ def main() -> int:
         del sets
         torch.cuda.empty_cache()
         if args.dense:
-            shape.update(dense_sweeps(rows, context, args.reps))
+            shape.update(dense_sweeps(rows, context, args.reps, args.dense.split(",")))
             shape["floor_bytes"].update({
                 "gqa_bf16": rows * context * 8 * 128 * 2 * 2, "gqa_fp8": rows * context * 8 * 128 * 2,
                 "mla_bf16": rows * context * 576 * 2, "mla_fp8_ds_mla": rows * context * 656})
