@@ -1,6 +1,6 @@
 """Launch shapes of the paged attention kernels side by side on one GPU.
 
-    python bench/attention_tiles.py --rows 32,64 --context 16384,32768 --out bench/results --tag h200 [--dense]
+    python bench/attention_tiles.py --rows 32,64 --context 16384,32768 --out bench/results --tag h200 [--v32 indexer,sparse_mla,topk_select] [--dense gqa_fp8,...]
 
 For each decode shape of :func:`pcppass.bench.kernels.v32_cases` (the same inputs, several input
 sets so the caches come from HBM), every :class:`~pcppass.kernels.attention.launch.IndexerTiles`
