@@ -153,7 +153,7 @@ def dense_sweeps(rows: int, context: int, reps: int, kernels: list[str]) -> dict
             continue
         q, k, v, step, *scales = gqa_inputs(rows, context, fp8)
         out["gqa_fp8" if fp8 else "gqa_bf16"] = sweep(
-            gqa_grid(fp8), lambda tiles, _: gqa_attention(q, k, v, step, q.shape[2] ** -0.5, *scales, launch_tiles=tiles),
+            gqa_grid(fp8), lambda tiles, _: gqa_attention(q, k, v, step, q.shape[2] ** -0.5, *scales, tiles=tiles),
             [None], reps)
         del q, k, v
     q_lat, q_pe, step, caches = mla_inputs(rows, context)
@@ -168,7 +168,7 @@ def dense_sweeps(rows: int, context: int, reps: int, kernels: list[str]) -> dict
 
 def markdown(result: dict) -> str:
     env = result["environment"]
-    lines = [f"# V3.2 attention launch shapes: {env.get('device')}", "",
+    lines = [f"# Paged attention launch shapes: {env.get('device')}", "",
              f"{env['date']} · torch {env['torch']} · triton {env.get('triton')} · CUDA graph replays, median", ""]
     for shape in result["shapes"]:
         for kernel in (k for k in KERNELS if k in shape):
@@ -176,9 +176,11 @@ def markdown(result: dict) -> str:
             floor = shape["floor_bytes"][kernel] / DATASHEET_HBM * 1e6
             lines += [f"## {kernel}, {shape['rows']} rows, context {shape['context']} (byte floor {floor:.1f} µs)",
                       "", "| shape | µs | % of 4.8 TB/s | rel. error vs default |", "|---|---|---|---|"]
-            ranked = [entries[0]] + sorted(entries[1:], key=lambda e: e["us"])[:5] if entries else []
-            for i, e in enumerate(ranked):
-                name = ("default " if i == 0 else "") + ", ".join(f"{k}={v}" for k, v in e["tiles"].items())
+            default = shape[kernel][0]
+            ranked = [e for e in [default] if "us" in e] + sorted(entries[1:] if "us" in default else entries,
+                                                                  key=lambda e: e["us"])[:5]
+            for e in ranked:
+                name = ("default " if e is default else "") + ", ".join(f"{k}={v}" for k, v in e["tiles"].items())
                 lines.append(f"| {name} | {e['us']:.1f} | {100 * floor / e['us']:.0f} | {e['rel_err']:.1e} |")
             failed = len(shape[kernel]) - len(entries)
             lines += ([f"", f"{failed} shapes failed to compile or run."] if failed else []) + [""]
@@ -199,14 +201,15 @@ def main() -> int:
     args = parser.parse_args()
     result = {"environment": environment(), "config": vars(args), "shapes": []}
     for rows, context in itertools.product(map(int, args.rows.split(",")), map(int, args.context.split(","))):
-        sets = v32_inputs(rows, context)
+        v32 = [name for name in args.v32.split(",") if name]
+        sets = v32_inputs(rows, context) if v32 else []
         shape = {"rows": rows, "context": context, "input_sets": len(sets),
                  "floor_bytes": {"indexer": rows * context * (DIM + 4) + rows * context * 4,
                                  "topk_select": rows * context * 4,
                                  "sparse_mla": rows * min(TOPK, context) * 656},
                  **{name: sweep(grid(), run, sets, args.reps) for name, grid, run in (
                      ("indexer", indexer_grid, run_indexer), ("sparse_mla", mla_grid, run_sparse_mla),
-                     ("topk_select", select_grid, run_select)) if name in args.v32.split(",")}}
+                     ("topk_select", select_grid, run_select)) if name in v32}}
         del sets
         torch.cuda.empty_cache()
         if args.dense:
@@ -219,9 +222,9 @@ def main() -> int:
             if kernel not in shape:
                 continue
             best = min((e for e in shape[kernel] if "us" in e), key=lambda e: e["us"], default=None)
-            default = shape[kernel][0].get("us")
-            print(f"{kernel} rows={rows} C={context}: default {default} us, best {best and best['us']:.1f} us "
-                  f"{best and best['tiles']} err {best and best['rel_err']:.1e}", flush=True)
+            default = shape[kernel][0].get("us", shape[kernel][0].get("error"))
+            found = f"best {best['us']:.1f} us {best['tiles']} err {best['rel_err']:.1e}" if best else "no shape ran"
+            print(f"{kernel} rows={rows} C={context}: default {default}, {found}", flush=True)
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

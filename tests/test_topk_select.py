@@ -28,13 +28,19 @@ def interpret(monkeypatch):
     yield
 
 
-def use_tiny_tiles(monkeypatch):
+def tiny_tiles(chunk: int = 16, candidate_chunk: int = 8, sample: int = 16):
     """Chunks of 16 keys (8 candidates) and samples of 16 keys: short rows span many chunks and
     are sampled too."""
+    from pcppass.kernels.attention.select import SelectTiles
+
+    return SelectTiles(chunk=chunk, warps=4, sample=sample, min_chunk=16, min_warps=4,
+                       candidate_chunk=candidate_chunk)
+
+
+def use_tiny_tiles(monkeypatch, **sizes):
     from pcppass.kernels.attention import select
 
-    for name, value in (("SELECT_CHUNK", 16), ("SELECT_MIN_CHUNK", 16), ("CANDIDATE_CHUNK", 8), ("SAMPLE", 16)):
-        monkeypatch.setattr(select, name, value)
+    monkeypatch.setattr(select, "SELECT_TILES", tiny_tiles(**sizes))
 
 
 @pytest.fixture(params=["launcher", "tiny"])
@@ -141,8 +147,10 @@ def sampled_path(row: torch.Tensor, k: int) -> str:
 
     length = row.shape[0]
     keys = ordered_keys(row[None])[0] >> 32
-    sample = keys[:: length // select.SAMPLE][: select.SAMPLE]
-    rank = select.sample_rank(k, length, select.SAMPLE)
+    tiles = select.SELECT_TILES
+    assert select.samples_the_row(length, k, tiles), "the launcher would not sample this row"
+    sample = keys[:: length // tiles.sample][: tiles.sample]
+    rank = select.sample_rank(k, length, tiles.sample)
     low = max(int(sample.sort(descending=True).values[rank - 1]), _NEG_INF_MONOTONIC + 1)
     candidates = int((keys >= low).sum())
     if candidates < k and low > _NEG_INF_MONOTONIC + 1:
@@ -155,11 +163,7 @@ def test_sampled_bound_paths(monkeypatch):
     more than k candidates (random rows, ties, a -inf tail); one that leaves fewer than k (every
     sampled key above the rest: dropped); one with more candidates than their slots (ties at the
     top: the row is read); fewer visible keys than k (every one a candidate)."""
-    from pcppass.kernels.attention import select
-
-    use_tiny_tiles(monkeypatch)
-    for name, value in (("SELECT_CHUNK", 64), ("CANDIDATE_CHUNK", 32), ("SAMPLE", 512)):
-        monkeypatch.setattr(select, name, value)
+    use_tiny_tiles(monkeypatch, chunk=64, candidate_chunk=32, sample=512)
     g = torch.Generator().manual_seed(9)
     span, k = 2048, 400
     scores = torch.rand(6, span, generator=g)
@@ -187,15 +191,12 @@ def test_property_small_shapes(data):
                       st.floats(-1e3, 1e3, allow_nan=False, width=32))
     values = data.draw(st.lists(value, min_size=rows * span, max_size=rows * span), label="values")
     scores = torch.tensor(values, dtype=torch.float32).reshape(rows, span)
-    saved = {name: getattr(select, name) for name in ("SELECT_CHUNK", "SELECT_MIN_CHUNK", "CANDIDATE_CHUNK",
-                                                      "SAMPLE")}
+    saved = select.SELECT_TILES
     try:
-        select.SELECT_CHUNK = select.SELECT_MIN_CHUNK = 16
-        select.CANDIDATE_CHUNK, select.SAMPLE = 8, 8
+        select.SELECT_TILES = tiny_tiles(sample=8)
         check(scores, k)
     finally:
-        for name, value in saved.items():
-            setattr(select, name, value)
+        select.SELECT_TILES = saved
 
 
 def test_bad_input_is_refused():

@@ -30,8 +30,6 @@ ROW_MODE_MAX_ROWS = 256
 #: keys per split in per-row mode (a multiple of every key tile)
 GQA_SPLIT = 2048
 MLA_SPLIT = 1024
-SPARSE_SPLIT = 512
-INDEXER_CHUNK = 512
 #: one split covering every key (tile mode; a single-split row)
 NO_SPLIT = 1 << 30
 #: query rows x heads stacked into one tile in tile mode
@@ -52,10 +50,10 @@ class GqaTiles:
 class IndexerTiles:
     """Launch shape of :func:`indexer_scores`: ``chunk`` positions per program, ``bn`` keys per tile."""
 
-    bn: int = 64
-    chunk: int = INDEXER_CHUNK
+    bn: int = 256
+    chunk: int = 2048
     warps: int = 4
-    stages: int = 2
+    stages: int = 3
     keys_major: bool = True  # e4m3 queries: the dot as keys x heads (the head sum within quads)
 
 
@@ -68,7 +66,7 @@ class MlaTiles:
     bn: int = 32
     warps: int | None = None  # None: 8 for tiles of at least 32 lanes, else 4
     stages: int = 2
-    sparse_split: int = SPARSE_SPLIT
+    sparse_split: int = 1024  # sparse rows only
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -78,11 +76,11 @@ class MlaTiles:
 GQA_TILES = GqaTiles(bn=128, stages=3)
 GQA_FP8_TILES = GqaTiles(bn=128, stages=2)
 GQA_PREFILL_TILES = GqaTiles()
-INDEXER_TILES = IndexerTiles(bn=256, chunk=2048, stages=3)
+INDEXER_TILES = IndexerTiles()
 MLA_TILES = MlaTiles(bn=64, stages=3)
 MLA_FP8_TILES = MlaTiles(bn=64, stages=2)
 MLA_PREFILL_TILES = MlaTiles()
-SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=4, sparse_split=1024)
+SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=4)
 
 
 def gqa_tiles(row_mode: bool, fp8: bool) -> GqaTiles:
@@ -206,7 +204,7 @@ def _ieee(dtype: torch.dtype) -> bool:
 
 def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: StepRows, scale: float,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  launch_tiles: GqaTiles | None = None) -> torch.Tensor:
+                  tiles: GqaTiles | None = None) -> torch.Tensor:
     """Causal paged GQA attention: ``q [T, H, D]``, caches ``[nb, bs, Hk, D]`` (fp8 caches with
     per-tensor ``k_scale`` / ``v_scale``) -> ``[T, H, Dv]`` in ``q``'s dtype."""
     q = _rows_of(q)
@@ -217,22 +215,22 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if fp8:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     rows_per_tile = max(1, TILE_M // group)
-    tiles = tile_schedule(rows.query_start_loc, t, rows_per_tile)
-    launch_shape = launch_tiles or gqa_tiles(tiles.row_mode, fp8)
+    schedule = tile_schedule(rows.query_start_loc, t, rows_per_tile)
+    launch_shape = tiles or gqa_tiles(schedule.row_mode, fp8)
     span = rows.tables.shape[1] * bs
-    splits, split = _splits(tiles, span, GQA_SPLIT)
+    splits, split = _splits(schedule, span, GQA_SPLIT)
     out, part_o, part_ml = _outputs(t, heads, dv, splits, q.dtype, q.device)
-    bm = tiles.rows_per_tile
-    if tiles.count:
+    bm = schedule.rows_per_tile
+    if schedule.count:
         dummy = part_ml
-        kernels().gqa_kernel[(tiles.count, kv_heads, splits)](
-            q, k_cache, v_cache, rows.tables, *rows.tile_args(tiles), out, part_o, part_ml,
+        kernels().gqa_kernel[(schedule.count, kv_heads, splits)](
+            q, k_cache, v_cache, rows.tables, *rows.tile_args(schedule), out, part_o, part_ml,
             k_scale if fp8 else dummy, v_scale if fp8 else dummy, scale * 1.4426950408889634, splits, heads,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), rows.tables.stride(0),
             out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=launch_shape.bn, D=d, DV=dv,
-            SPLIT=split, ROW_MODE=tiles.row_mode, FP8=fp8, DIRECT=splits == 1, IEEE=_ieee(q.dtype),
+            SPLIT=split, ROW_MODE=schedule.row_mode, FP8=fp8, DIRECT=splits == 1, IEEE=_ieee(q.dtype),
             num_warps=launch_shape.warps, num_stages=launch_shape.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
@@ -299,8 +297,10 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     An e4m3 ``q`` (its scales folded into ``weights``, :func:`pcppass.kernels.quant.quantize_indexer_query`)
     meets the key codes in an fp8 dot where a token has one key scale (``D == qbs``)."""
     q, weights = _rows_of(q), _rows_of(weights)
-    if q.dtype == torch.float8_e4m3fn and q.shape[2] != quant_block_size:
-        q = q.float()  # several key scales per token: the float32 path over the same values
+    if q.dtype == torch.float8_e4m3fn and (q.shape[2] != quant_block_size or q.shape[2] < 32):
+        # several key scales per token, or a head narrower than an fp8 MMA's K (32): the float32
+        # path over the same values
+        q = q.float()
     q_fp8 = q.dtype == torch.float8_e4m3fn
     tiles = tiles or INDEXER_TILES
     t, heads, d = q.shape

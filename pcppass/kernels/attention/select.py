@@ -18,35 +18,38 @@ import triton
 
 from pcppass.kernels.attention.launch import kernels
 
-#: keys per chunk of a row (a row is re-read from L2 by each pass) and of the candidates (below
-#: 2**15: a compaction packs two counts of a chunk into one int32); 8 warps: 36 / 52 µs per call at
-#: 32 rows, 16k / 32k on the H200 against 43 / 63 µs with 16 (bench/results/attention_tiles_select_h200.*:
-#: 27 shapes, every one's picks equal; 8 warps spill some registers in an sm_90 build and are
-#: still faster)
-SELECT_CHUNK = 4096
-CANDIDATE_CHUNK = 1024
-SELECT_WARPS = 8
-#: chunk and warps for rows of at most SELECT_MIN_CHUNK keys (at least one key per lane)
-SELECT_MIN_CHUNK = 1024
-SELECT_MIN_WARPS = 4
-#: rows of at least SAMPLE_RATIO * k keys (and 2 * SAMPLE) are sampled: SAMPLE evenly spaced
-#: keys give a lower bound that leaves a little more than k candidates, in CANDIDATE_SLOTS * k slots
-SAMPLE = 2048
+#: rows of at least SAMPLE_RATIO * k keys (and twice the sample) are sampled: evenly spaced keys
+#: give a lower bound that leaves a little more than k candidates, in CANDIDATE_SLOTS * k slots
 SAMPLE_RATIO = 4
 CANDIDATE_SLOTS = 2
 
 
 @dataclass(frozen=True)
 class SelectTiles:
-    """Launch shape of :func:`select_topk_triton` for long rows (more than
-    :data:`SELECT_MIN_CHUNK` keys): keys per chunk of a row, warps, sampled keys."""
+    """Launch shape of :func:`select_topk_triton`.
 
-    chunk: int = SELECT_CHUNK
-    warps: int = SELECT_WARPS
-    sample: int = SAMPLE
+    ``chunk`` keys per chunk of a row (a row is re-read from L2 by each pass) and
+    ``candidate_chunk`` of the candidates (below 2**15: a compaction packs two counts of a chunk
+    into one int32), ``warps`` per program, ``sample`` evenly spaced keys for the lower bound;
+    rows of at most ``min_chunk`` keys run as one chunk on ``min_warps`` warps (at least one key
+    per lane). Measured on the H200 (bench/results/attention_tiles_select_h200.*, 27 shapes, every
+    one's picks equal): 8 warps take 36 / 52 µs per call at 32 rows, 16k / 32k, against 43 / 63 µs
+    with 16 (8 warps spill some registers in an sm_90 build and are still faster)."""
+
+    chunk: int = 4096
+    warps: int = 8
+    sample: int = 2048
+    min_chunk: int = 1024
+    min_warps: int = 4
+    candidate_chunk: int = 1024
 
 
 SELECT_TILES = SelectTiles()
+
+
+def samples_the_row(length: int, k: int, tiles: SelectTiles) -> bool:
+    """Whether rows of ``length`` keys are first narrowed by a sampled lower bound."""
+    return length >= max(SAMPLE_RATIO * k, 2 * tiles.sample)
 
 
 def sample_rank(k: int, length: int, sample: int) -> int:
@@ -94,16 +97,16 @@ def select_topk_triton(scores: torch.Tensor, k: int, tiles: SelectTiles | None =
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     length = max(span, k)
-    small = length <= SELECT_MIN_CHUNK
-    chunk = min(tiles.chunk, SELECT_MIN_CHUNK if small else triton.next_power_of_2(length))
-    sampled = length >= max(SAMPLE_RATIO * k, 2 * tiles.sample)
+    small = length <= tiles.min_chunk
+    chunk = min(tiles.chunk, tiles.min_chunk if small else triton.next_power_of_2(length))
+    sampled = samples_the_row(length, k, tiles)
     cap = min(length, CANDIDATE_SLOTS * k) if sampled else 0
     cand_keys = torch.empty(rows if sampled else 1, max(cap, 1), dtype=torch.int32, device=scores.device)
     cand_pos = torch.empty_like(cand_keys)
     kernels("select_kernels").topk_select_kernel[(rows,)](
         scores, out, cand_keys, cand_pos, span, length, k, scores.stride(0), out.stride(0), cand_keys.stride(0),
         cap, length // tiles.sample, sample_rank(k, length, tiles.sample) if sampled else 0,
-        SAMPLED=sampled, SAMPLE=tiles.sample, ROW_CHUNK=chunk, CAND_CHUNK=CANDIDATE_CHUNK,
-        num_warps=SELECT_MIN_WARPS if small else tiles.warps,
+        SAMPLED=sampled, SAMPLE=tiles.sample, ROW_CHUNK=chunk, CAND_CHUNK=tiles.candidate_chunk,
+        num_warps=tiles.min_warps if small else tiles.warps,
     )
     return out
