@@ -1,6 +1,7 @@
 """Launch shapes of the paged attention kernels side by side on one GPU.
 
-    python bench/attention_tiles.py --rows 32,64 --context 16384,32768 --out bench/results --tag h200 [--v32 indexer,sparse_mla,topk_select] [--dense gqa_fp8,...]
+    python bench/attention_tiles.py --rows 32,64 --context 16384,32768 --out bench/results --tag h200
+        [--v32 indexer,sparse_mla,topk_select] [--dense gqa_bf16,gqa_fp8,mla_bf16,mla_fp8_ds_mla]
 
 For each decode shape of :func:`pcppass.bench.kernels.v32_cases` (the same inputs, several input
 sets so the caches come from HBM), every :class:`~pcppass.kernels.attention.launch.IndexerTiles`
@@ -47,9 +48,8 @@ KERNELS = ("indexer", "sparse_mla", "topk_select", "gqa_bf16", "gqa_fp8", "mla_b
 
 
 def indexer_grid() -> list[IndexerTiles]:
-    shapes = [IndexerTiles(bn=bn, chunk=chunk, warps=warps, stages=stages, keys_major=keys_major)
-              for bn, chunk, warps, stages, keys_major in itertools.product((64, 128, 256), (1024, 2048), (4, 8),
-                                                                            (2, 3), (False, True))]
+    shapes = [IndexerTiles(bn=bn, chunk=chunk, warps=warps, stages=stages)
+              for bn, chunk, warps, stages in itertools.product((64, 128, 256), (1024, 2048), (4, 8), (2, 3))]
     return [INDEXER_TILES] + [s for s in shapes if s != INDEXER_TILES]
 
 

@@ -54,7 +54,6 @@ class IndexerTiles:
     chunk: int = 2048
     warps: int = 4
     stages: int = 3
-    keys_major: bool = True  # e4m3 queries: the dot as keys x heads (the head sum within quads)
 
 
 @dataclass(frozen=True)
@@ -312,13 +311,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     scores = torch.full((t, span), float("-inf"), dtype=torch.float32, device=q.device)
     if t:
         kernels().indexer_kernel[(t, -(-span // tiles.chunk))](
-            q.view(torch.uint8) if q_fp8 else q, weights, flat, flat.view(torch.float32), rows.tables, rows.positions, rows.token_to_req,
-            rows.is_padding, scores, span, q.stride(0), q.stride(1), weights.stride(0), flat.stride(0),
-            rows.tables.stride(0), scores.stride(0),
+            q.view(torch.uint8) if q_fp8 else q, weights, flat, flat.view(torch.float32), rows.tables,
+            rows.positions, rows.token_to_req, rows.is_padding, scores, span, q.stride(0), q.stride(1),
+            weights.stride(0), flat.stride(0), rows.tables.stride(0), scores.stride(0),
             BLOCK_SIZE=bs, HI=heads, HP=max(MIN_DOT, _pow2(heads)), D=d, QBS=quant_block_size, BN=tiles.bn,
-            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), Q_FP8=q_fp8, KEYS_MAJOR=tiles.keys_major,
-            num_warps=tiles.warps,
-            num_stages=tiles.stages,
+            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), Q_FP8=q_fp8, num_warps=tiles.warps, num_stages=tiles.stages,
         )
     return scores
 

@@ -66,9 +66,10 @@ def indexer_sparse_mla_attention(
     quant_block_size: int, topk: int, scale: float, ds_mla: bool,
 ) -> torch.Tensor:
     """DeepSeek-V3.2 sparse attention in one op: lightning-indexer scores over the fp8 indexer
-    cache, the top-``topk`` positions (a radix select, never a sort), MLA over those rows of the latent cache. (One op, so the
-    selection never leaves it: an op whose result only feeds another opaque op would look like a
-    dependency token to the state-write analysis, which then suspects a hidden write.)"""
+    cache, the top-``topk`` positions (a radix select, never a sort), MLA over those rows of the
+    latent cache. (One op, so the selection never leaves it: an op whose result only feeds another
+    opaque op would look like a dependency token to the state-write analysis, which then suspects a
+    hidden write.)"""
     index_rows = _rows(indexer_block_table, positions, token_to_req, query_start_loc, is_padding)
     selected = select_topk_triton(launch.indexer_scores(q_index, index_weights, indexer_cache, index_rows,
                                                         quant_block_size), topk)
