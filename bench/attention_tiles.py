@@ -53,10 +53,14 @@ def indexer_grid() -> list[IndexerTiles]:
     return [INDEXER_TILES] + [s for s in shapes if s != INDEXER_TILES]
 
 
+#: how fp8 codes meet a 16-bit query: (f16_dots, convert_on_load), see GqaTiles
+FP8_DOTS = tuple(itertools.product((False, True), (False, True)))
+
+
 def mla_grid() -> list[MlaTiles]:
-    shapes = [MlaTiles(heads=heads, bn=bn, warps=warps, stages=stages, sparse_split=split)
-              for heads, bn, warps, stages, split in itertools.product((32, 64), (32,), (8,), (3, 4),
-                                                                       (512, 1024, 2048))]
+    shapes = [MlaTiles(heads=64, bn=32, warps=8, stages=stages, sparse_split=split, f16_dots=f16,
+                       convert_on_load=on_load)
+              for stages, split, (f16, on_load) in itertools.product((3, 4), (1024, 2048), FP8_DOTS)]
     return [SPARSE_MLA_TILES] + [s for s in shapes if s != SPARSE_MLA_TILES]
 
 
@@ -128,15 +132,23 @@ def run_select(tiles: SelectTiles, s: dict) -> torch.Tensor:
 
 
 def gqa_grid(fp8: bool) -> list[GqaTiles]:
-    shapes = [GqaTiles(bn=bn, warps=warps, stages=stages)
-              for bn, warps, stages in itertools.product((32, 64, 128, 256), (4, 8), (1, 2, 3, 4))]
+    if fp8:
+        shapes = [GqaTiles(bn=bn, warps=warps, stages=stages, f16_dots=f16, convert_on_load=on_load)
+                  for bn, warps, stages, (f16, on_load) in itertools.product((64, 128), (4, 8), (2, 3), FP8_DOTS)]
+    else:
+        shapes = [GqaTiles(bn=bn, warps=warps, stages=stages)
+                  for bn, warps, stages in itertools.product((32, 64, 128, 256), (4, 8), (1, 2, 3, 4))]
     default = gqa_tiles(True, fp8)
     return [default] + [s for s in shapes if s != default]
 
 
 def dense_mla_grid(ds_mla: bool) -> list[MlaTiles]:
-    shapes = [MlaTiles(bn=bn, warps=warps, stages=stages)
-              for bn, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
+    if ds_mla:
+        shapes = [MlaTiles(bn=bn, warps=warps, stages=stages, f16_dots=f16, convert_on_load=on_load)
+                  for bn, warps, stages, (f16, on_load) in itertools.product((32, 64), (4, 8), (2, 3), FP8_DOTS)]
+    else:
+        shapes = [MlaTiles(bn=bn, warps=warps, stages=stages)
+                  for bn, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
     default = mla_tiles(True, ds_mla, False)
     return [default] + [s for s in shapes if s != default]
 

@@ -39,11 +39,16 @@ MIN_DOT = 16
 
 @dataclass(frozen=True)
 class GqaTiles:
-    """Launch shape of :func:`gqa_attention`: ``bn`` keys per tile."""
+    """Launch shape of :func:`gqa_attention`: ``bn`` keys per tile. For fp8 caches and a 16-bit
+    query: ``f16_dots``, the dots run on float16 (codes converted exactly, each query lane scaled
+    by a power of two); ``convert_on_load``, the values are converted where they are loaded
+    instead of after their staging in shared memory (see ``triton_kernels.e4m3_on_load``)."""
 
     bn: int = 64
     warps: int = 4
     stages: int = 2
+    f16_dots: bool = False
+    convert_on_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class MlaTiles:
     warps: int | None = None  # None: 8 for tiles of at least 32 lanes, else 4
     stages: int = 2
     sparse_split: int = 1024  # sparse rows only
+    f16_dots: bool = False  # fp8_ds_mla caches only, as in GqaTiles
+    convert_on_load: bool = False
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -201,6 +208,12 @@ def _ieee(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def _half(dtype: torch.dtype) -> bool:
+    """A 16-bit query, whose values float16 holds once scaled per lane (float32 queries keep their
+    exact float32 dots)."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
 def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: StepRows, scale: float,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                   tiles: GqaTiles | None = None) -> torch.Tensor:
@@ -230,6 +243,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=launch_shape.bn, D=d, DV=dv,
             SPLIT=split, ROW_MODE=schedule.row_mode, FP8=fp8, DIRECT=splits == 1, IEEE=_ieee(q.dtype),
+            F16_DOTS=fp8 and launch_shape.f16_dots and _half(q.dtype), ON_LOAD=fp8 and launch_shape.convert_on_load,
             num_warps=launch_shape.warps, num_stages=launch_shape.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
@@ -282,8 +296,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             rows.tables.stride(0), index.stride(0) if sparse else 0, out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=tiles.bn, L=lat, R=rope,
             RP=max(MIN_DOT, _pow2(rope)), SPLIT=split, ROW_MODE=schedule.row_mode, DS_MLA=ds_mla, SPARSE=sparse,
-            DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype),
-            num_warps=tiles.warps or (8 if bm * group >= 32 else 4), num_stages=tiles.stages,
+            DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype), F16_DOTS=ds_mla and tiles.f16_dots and _half(q_lat.dtype),
+            ON_LOAD=ds_mla and tiles.convert_on_load, num_warps=tiles.warps or (8 if bm * group >= 32 else 4), num_stages=tiles.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
     return out
