@@ -53,14 +53,10 @@ def indexer_grid() -> list[IndexerTiles]:
     return [INDEXER_TILES] + [s for s in shapes if s != INDEXER_TILES]
 
 
-#: how fp8 codes meet a 16-bit query: (f16_dots, convert_on_load), see GqaTiles
-FP8_DOTS = tuple(itertools.product((False, True), (False, True)))
-
-
 def mla_grid() -> list[MlaTiles]:
-    shapes = [MlaTiles(heads=64, bn=32, warps=8, stages=stages, sparse_split=split, f16_dots=f16,
-                       convert_on_load=on_load)
-              for stages, split, (f16, on_load) in itertools.product((3, 4), (1024, 2048), FP8_DOTS)]
+    shapes = [MlaTiles(heads=heads, bn=bn, warps=warps, stages=stages, sparse_split=split)
+              for heads, bn, warps, stages, split in itertools.product((32, 64), (32,), (8,), (3, 4),
+                                                                       (512, 1024, 2048))]
     return [SPARSE_MLA_TILES] + [s for s in shapes if s != SPARSE_MLA_TILES]
 
 
@@ -132,23 +128,16 @@ def run_select(tiles: SelectTiles, s: dict) -> torch.Tensor:
 
 
 def gqa_grid(fp8: bool) -> list[GqaTiles]:
-    if fp8:
-        shapes = [GqaTiles(bn=bn, warps=warps, stages=stages, f16_dots=f16, convert_on_load=on_load)
-                  for bn, warps, stages, (f16, on_load) in itertools.product((64, 128), (4, 8), (2, 3), FP8_DOTS)]
-    else:
-        shapes = [GqaTiles(bn=bn, warps=warps, stages=stages)
-                  for bn, warps, stages in itertools.product((32, 64, 128, 256), (4, 8), (1, 2, 3, 4))]
+    shapes = [GqaTiles(bn=bn, warps=warps, stages=stages, f16_dots=f16)
+              for bn, warps, stages, f16 in itertools.product((32, 64, 128, 256), (4, 8), (1, 2, 3, 4),
+                                                              (False, True) if fp8 else (False,))]
     default = gqa_tiles(True, fp8)
     return [default] + [s for s in shapes if s != default]
 
 
 def dense_mla_grid(ds_mla: bool) -> list[MlaTiles]:
-    if ds_mla:
-        shapes = [MlaTiles(bn=bn, warps=warps, stages=stages, f16_dots=f16, convert_on_load=on_load)
-                  for bn, warps, stages, (f16, on_load) in itertools.product((32, 64), (4, 8), (2, 3), FP8_DOTS)]
-    else:
-        shapes = [MlaTiles(bn=bn, warps=warps, stages=stages)
-                  for bn, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
+    shapes = [MlaTiles(bn=bn, warps=warps, stages=stages)
+              for bn, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
     default = mla_tiles(True, ds_mla, False)
     return [default] + [s for s in shapes if s != default]
 
@@ -175,6 +164,35 @@ def dense_sweeps(rows: int, context: int, reps: int, kernels: list[str]) -> dict
         out["mla_fp8_ds_mla" if ds_mla else "mla_bf16"] = sweep(
             dense_mla_grid(ds_mla), lambda tiles, _: mla_attention(q_lat, q_pe, cache, step, 0.07, ds_mla, tiles=tiles),
             [None], reps)
+    return out
+
+
+def split_sweep(rows: int, context: int, reps: int, splits: list[int]) -> dict[str, dict[int, float | str]]:
+    """Decode rows' keys per split (``launch.GQA_SPLIT`` / ``MLA_SPLIT``) at the default launch
+    shapes: fewer, longer programs against more, shorter ones and a larger combine."""
+    from pcppass.bench.kernels import gqa_inputs, mla_inputs
+    from pcppass.kernels.attention import launch
+
+    calls = {}
+    for fp8 in (False, True):
+        q, k, v, step, *scales = gqa_inputs(rows, context, fp8)
+        calls["gqa_fp8" if fp8 else "gqa_bf16"] = ("GQA_SPLIT", lambda q=q, k=k, v=v, step=step, scales=scales:
+                                                   launch.gqa_attention(q, k, v, step, 0.088, *scales))
+    q_lat, q_pe, step, caches = mla_inputs(rows, context)
+    for ds_mla, cache in caches.items():
+        calls["mla_fp8_ds_mla" if ds_mla else "mla_bf16"] = ("MLA_SPLIT", lambda c=cache, d=ds_mla:
+                                                             launch.mla_attention(q_lat, q_pe, c, step, 0.07, d))
+    out = {}
+    for kernel, (constant, call) in calls.items():
+        default = getattr(launch, constant)
+        out[kernel] = {}
+        try:
+            for split in splits:
+                setattr(launch, constant, split)
+                out[kernel][split] = time_calls([call], reps)
+        finally:
+            setattr(launch, constant, default)
+        print(f"{kernel} rows={rows} C={context} keys per split: {out[kernel]}", flush=True)
     return out
 
 
@@ -210,6 +228,8 @@ def main() -> int:
                         help="which V3.2 kernels to sweep (comma list; empty: none)")
     parser.add_argument("--dense", default="", help="also these of gqa_bf16, gqa_fp8, mla_bf16, mla_fp8_ds_mla "
                                                     "(comma list)")
+    parser.add_argument("--splits", default="", help="also time the dense kernels' default shapes at these "
+                                                     "keys per split (comma list)")
     args = parser.parse_args()
     result = {"environment": environment(), "config": vars(args), "shapes": []}
     for rows, context in itertools.product(map(int, args.rows.split(",")), map(int, args.context.split(","))):
@@ -229,6 +249,8 @@ def main() -> int:
             shape["floor_bytes"].update({
                 "gqa_bf16": rows * context * 8 * 128 * 2 * 2, "gqa_fp8": rows * context * 8 * 128 * 2,
                 "mla_bf16": rows * context * 576 * 2, "mla_fp8_ds_mla": rows * context * 656})
+        if args.splits:
+            shape["keys_per_split_us"] = split_sweep(rows, context, args.reps, [int(x) for x in args.splits.split(",")])
         result["shapes"].append(shape)
         for kernel in KERNELS:
             if kernel not in shape:

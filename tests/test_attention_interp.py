@@ -17,7 +17,6 @@ import triton  # noqa: F401  (imported in compiled mode before the interpreter i
 # full suite: the kernels must not call the library's compiled-mode @triton.jit functions)
 
 from attention_cases import (
-    decode_ds_mla_rows,
     indexer_cache,
     kernel_vs_reference_run,
     make_step,
@@ -105,71 +104,52 @@ def test_mla_matches_reference(mode, ds_mla, sparse):
 
 @pytest.fixture
 def f16_dots(mode, monkeypatch):
-    """Every fp8 launch shape with float16 dots and values converted where they are loaded."""
+    """fp8 GQA with float16 dots in every mode (the decode launch shape has them; tiles of rows too)."""
     from dataclasses import replace
 
     from pcppass.kernels.attention import launch
 
-    for name in ("GQA_FP8_TILES", "GQA_PREFILL_TILES", "MLA_FP8_TILES", "MLA_PREFILL_TILES", "SPARSE_MLA_TILES"):
-        monkeypatch.setattr(launch, name, replace(getattr(launch, name), f16_dots=True, convert_on_load=True))
+    for name in ("GQA_FP8_TILES", "GQA_PREFILL_TILES"):
+        monkeypatch.setattr(launch, name, replace(getattr(launch, name), f16_dots=True))
 
 
-def _queries(g, shape, up: float, dtype) -> torch.Tensor:
-    """Magnitudes in [1/16, 4] times ``up`` (a power of two): every value scales exactly."""
+def _queries(g, shape, up: float) -> torch.Tensor:
+    """bf16 magnitudes in [1/16, 4] times ``up`` (a power of two): every value scales exactly."""
     signs = torch.randint(0, 2, shape, generator=g) * 2 - 1
-    return (signs * (torch.rand(shape, generator=g) * (4 - 1 / 16) + 1 / 16)).to(dtype) * up
+    return (signs * (torch.rand(shape, generator=g) * (4 - 1 / 16) + 1 / 16)).bfloat16() * up
 
 
-def _fp8_attention(kernel: str, step, magnitude: int, dtype):
-    """(kernel output, reference output, largest value magnitude) of 16-bit queries
-    ``2^magnitude`` times larger than :func:`_queries` against fp8 caches, the scale on the
-    scores ``2^-magnitude`` times smaller."""
-    from pcppass.kernels.attention.launch import gqa_attention, mla_attention
+def _fp8_gqa(step, magnitude: int):
+    """(kernel output, reference output, largest value) of bf16 queries ``2^magnitude`` times
+    larger than :func:`_queries` against fp8 caches, the scale on the scores ``2^-magnitude``
+    times smaller."""
+    from pcppass.kernels.attention.launch import gqa_attention
 
     g = torch.Generator().manual_seed(8)
     t = step.rows.positions.shape[0]
     up = 2.0**magnitude
-    if kernel == "gqa":
-        q = _queries(g, (t, 4, 16), up, dtype)
-        k_cache, v_cache = (torch.randn(step.num_blocks, BS, 2, 16, generator=g).mul(4).to(torch.float8_e4m3fn)
-                            for _ in range(2))
-        scales = (torch.tensor([0.25]), torch.tensor([0.5]))
-        return (gqa_attention(q, k_cache, v_cache, step.rows, 0.25 / up, *scales),
-                reference_gqa(step, q.float(), k_cache, v_cache, 0.25 / up, *scales),
-                float(v_cache.float().abs().max() * scales[1]))
-    latent, rope = 128, 8
-    cache = mla_cache(step, latent, rope, True)
-    q_lat, q_pe = _queries(g, (t, 4, latent), up, dtype), _queries(g, (t, 4, rope), up, dtype)
-    index = None
-    if kernel == "sparse_mla":
-        index = torch.full((t, 6), -1, dtype=torch.int64)
-        for row, p in enumerate(step.rows.positions.tolist()):
-            index[row, : min(6, p + 1)] = torch.randperm(p + 1, generator=g)[:6]
-        index[step.rows.is_padding] = -1
-    return (mla_attention(q_lat, q_pe, cache, step.rows, 0.1 / up, True, index),
-            reference_mla(step, q_lat.float(), q_pe.float(), cache, 0.1 / up, latent, True, index),
-            float(decode_ds_mla_rows(cache.flatten(0, 1), latent, rope)[0].abs().max()))
+    q = _queries(g, (t, 4, 16), up)
+    k_cache, v_cache = (torch.randn(step.num_blocks, BS, 2, 16, generator=g).mul(4).to(torch.float8_e4m3fn)
+                        for _ in range(2))
+    scales = (torch.tensor([0.25]), torch.tensor([0.5]))
+    return (gqa_attention(q, k_cache, v_cache, step.rows, 0.25 / up, *scales),
+            reference_gqa(step, q.float(), k_cache, v_cache, 0.25 / up, *scales),
+            float(v_cache.float().abs().max() * scales[1]))
 
 
-# MLA's RoPE dot stays in the query's dtype, and the Triton interpreter's bf16 dot is wrong
-# (triton 3.7: 2e10 off on a 16 x 16 product), so MLA runs float16 queries here (bf16 on the GPU tests)
-@pytest.mark.parametrize("kernel,dtype,magnitudes", [("gqa", torch.bfloat16, (24, -40)),
-                                                     ("mla", torch.float16, (12, -8)),
-                                                     ("sparse_mla", torch.float16, (12, -8))])
-def test_fp8_caches_with_float16_dots(mode, f16_dots, kernel, dtype, magnitudes):
-    """16-bit queries meet fp8 codes in float16 dots. Each query lane is scaled by a power of two
-    into float16's range and its scores scaled back, so queries far larger or smaller (bf16:
-    2^24 and 2^-40 times, far outside float16's range; the scale on the scores divides it back)
-    give the very bytes of the unit ones. The output is the reference's (float32 throughout) to
-    within its conversion to the query's dtype (one unit in the last place of the largest output:
-    the interpreter truncates) and float16's rounding of the probabilities (2^-11 of each, so of
-    at most the largest value)."""
+def test_fp8_gqa_with_float16_dots(mode, f16_dots):
+    """bf16 queries meet fp8 codes in float16 dots. Each query lane is scaled by a power of two
+    into float16's range and its scores scaled back, so queries 2^24 and 2^-40 times larger (far
+    outside float16's range; the scale on the scores divides it back) give the very bytes of the
+    unit ones. The output is the reference's (float32 throughout) to within its conversion to
+    bf16 (one unit in the last place of the largest output: the interpreter truncates) and
+    float16's rounding of the probabilities (2^-11 of each, so of at most the largest value)."""
     step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
-    out, ref, largest_value = _fp8_attention(kernel, step, 0, dtype)
+    out, ref, largest_value = _fp8_gqa(step, 0)
     largest_out = float(ref[step.live].abs().max())
-    close(out.float(), ref, step.live, tol=torch.finfo(dtype).eps + 2**-11 * largest_value / largest_out)
-    for magnitude in magnitudes:
-        scaled, *_ = _fp8_attention(kernel, step, magnitude, dtype)
+    close(out.float(), ref, step.live, tol=torch.finfo(torch.bfloat16).eps + 2**-11 * largest_value / largest_out)
+    for magnitude in (24, -40):
+        scaled, *_ = _fp8_gqa(step, magnitude)
         assert torch.equal(scaled, out), magnitude
 
 

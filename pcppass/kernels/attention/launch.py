@@ -39,16 +39,14 @@ MIN_DOT = 16
 
 @dataclass(frozen=True)
 class GqaTiles:
-    """Launch shape of :func:`gqa_attention`: ``bn`` keys per tile. For fp8 caches and a 16-bit
-    query: ``f16_dots``, the dots run on float16 (codes converted exactly, each query lane scaled
-    by a power of two); ``convert_on_load``, the values are converted where they are loaded
-    instead of after their staging in shared memory (see ``triton_kernels.e4m3_on_load``)."""
+    """Launch shape of :func:`gqa_attention`: ``bn`` keys per tile; ``f16_dots``: with fp8 caches
+    and a 16-bit query, the dots run on float16 (codes converted exactly, each query lane scaled
+    by a power of two into float16's range) instead of the query's dtype."""
 
     bn: int = 64
     warps: int = 4
     stages: int = 2
     f16_dots: bool = False
-    convert_on_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,8 +69,6 @@ class MlaTiles:
     warps: int | None = None  # None: 8 for tiles of at least 32 lanes, else 4
     stages: int = 2
     sparse_split: int = 1024  # sparse rows only
-    f16_dots: bool = False  # fp8_ds_mla caches only, as in GqaTiles
-    convert_on_load: bool = False
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -80,7 +76,7 @@ class MlaTiles:
 #: MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row). Prefill
 #: tiles (several rows per program) keep the shapes they were written with.
 GQA_TILES = GqaTiles(bn=128, stages=3)
-GQA_FP8_TILES = GqaTiles(bn=128, stages=2)
+GQA_FP8_TILES = GqaTiles(bn=128, stages=2, f16_dots=True)
 GQA_PREFILL_TILES = GqaTiles()
 INDEXER_TILES = IndexerTiles()
 MLA_TILES = MlaTiles(bn=64, stages=3)
@@ -243,7 +239,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=launch_shape.bn, D=d, DV=dv,
             SPLIT=split, ROW_MODE=schedule.row_mode, FP8=fp8, DIRECT=splits == 1, IEEE=_ieee(q.dtype),
-            F16_DOTS=fp8 and launch_shape.f16_dots and _half(q.dtype), ON_LOAD=fp8 and launch_shape.convert_on_load,
+            F16_DOTS=fp8 and launch_shape.f16_dots and _half(q.dtype),
             num_warps=launch_shape.warps, num_stages=launch_shape.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
@@ -296,8 +292,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             rows.tables.stride(0), index.stride(0) if sparse else 0, out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=tiles.bn, L=lat, R=rope,
             RP=max(MIN_DOT, _pow2(rope)), SPLIT=split, ROW_MODE=schedule.row_mode, DS_MLA=ds_mla, SPARSE=sparse,
-            DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype), F16_DOTS=ds_mla and tiles.f16_dots and _half(q_lat.dtype),
-            ON_LOAD=ds_mla and tiles.convert_on_load, num_warps=tiles.warps or (8 if bm * group >= 32 else 4), num_stages=tiles.stages,
+            DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype),
+            num_warps=tiles.warps or (8 if bm * group >= 32 else 4), num_stages=tiles.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
     return out

@@ -96,25 +96,6 @@ def e4m3(codes, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def e4m3_on_load(codes, DTYPE: tl.constexpr):
-    """:func:`e4m3` of a ``[R, C]`` tile in the register layout it was loaded in, before the tile
-    is staged in shared memory for a dot. Left to the compiler, the conversion of a tile that a
-    dot reads along its rows (``p @ v``) moves after the staging, where the codes are read one
-    byte at a time (Hopper's transposing ``ldmatrix`` moves 16-bit elements only); the reshape
-    around it keeps it where the codes are loaded, 16 contiguous bytes per thread."""
-    R: tl.constexpr = codes.shape[0]
-    C: tl.constexpr = codes.shape[1]
-    return tl.reshape(e4m3(tl.reshape(codes, [R, C // 4, 4]), DTYPE), [R, C])
-
-
-@triton.jit
-def e4m3_tile(codes, DTYPE: tl.constexpr, ON_LOAD: tl.constexpr):
-    if ON_LOAD:
-        return e4m3_on_load(codes, DTYPE)
-    return e4m3(codes, DTYPE)
-
-
-@triton.jit
 def pow2_lane_scales(amax):
     """Per lane, ``(2^k, 2^-k)`` for the ``k`` that puts ``amax`` (the lane's largest magnitude,
     float32) in ``[2^14, 2^15)``. Scaled by ``2^k``, every bf16 value of the lane is a float16
@@ -129,14 +110,12 @@ def pow2_lane_scales(amax):
 
 
 @triton.jit
-def abs_max_lanes(x):
-    return max_along(tl.abs(x.to(tl.float32)), 1)
-
-
-@triton.jit
-def to_f16_lanes(x, up):
-    """``x [M, N]`` times its lane's factor ``up [M]``, as float16 operands of a dot."""
-    return (x.to(tl.float32) * up[:, None]).to(tl.float16)
+def f16_lanes(x):
+    """``x [M, N]`` as float16 dot operands, each lane (row) scaled by :func:`pow2_lane_scales`;
+    returns the operands and the per-lane factor that undoes the scaling on their dots."""
+    amax = max_along(tl.abs(x.to(tl.float32)), 1)
+    up, down = pow2_lane_scales(amax)
+    return (x.to(tl.float32) * up[:, None]).to(tl.float16), down
 
 
 @triton.jit
@@ -177,14 +156,14 @@ def gqa_kernel(
     stride_table, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr, FP8: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr, F16_DOTS: tl.constexpr, ON_LOAD: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     """Paged GQA attention: ``K``/``V`` caches ``[nb, bs, Hk, D]``; program (tile, kv head, split).
 
     ``FP8`` caches: the codes enter the dots as they are (per-tensor scales on the scores and the
-    output). ``F16_DOTS``: the dots run on float16, the codes converted exactly and each query
-    lane scaled by a power of two into float16's range (:func:`pow2_lane_scales`, undone on its
-    scores); ``ON_LOAD``: the values are converted where they are loaded (:func:`e4m3_on_load`)."""
+    output). ``F16_DOTS``: the dots run on float16, the codes converted exactly (one instruction
+    per two) and each query lane scaled by a power of two into float16's range
+    (:func:`f16_lanes`, undone on its scores); the probabilities meet the values as float16."""
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -199,8 +178,7 @@ def gqa_kernel(
         if FP8:
             lane_qk = lane_qk * tl.load(K_SCALE)
         if F16_DOTS:
-            up, down = pow2_lane_scales(abs_max_lanes(q))
-            q = to_f16_lanes(q, up)
+            q, down = f16_lanes(q)
             lane_qk = lane_qk * down
         lo = split * SPLIT
         hi = tl.minimum(lo + SPLIT, max_along(pos, 0) + 1).to(tl.int32)
@@ -219,7 +197,7 @@ def gqa_kernel(
                         mask=jm[:, None], other=0)
             if FP8:
                 k = e4m3(k, q.dtype)
-                v = e4m3_tile(v, q.dtype, ON_LOAD)
+                v = e4m3(v, q.dtype)
             s = fdot(q, tl.trans(k), IEEE) * lane_qk[:, None]
             s = tl.where((j[None, :] <= pos[:, None]) & jm[None, :], s, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
@@ -232,16 +210,16 @@ def gqa_kernel(
 
 @triton.jit
 def latent_tile(CACHE, SCALES, base, jm, c: tl.constexpr, L: tl.constexpr, TL: tl.constexpr, DS_MLA: tl.constexpr,
-                DTYPE: tl.constexpr, ON_LOAD: tl.constexpr):
+                DTYPE: tl.constexpr):
     """Latent dims ``[c*TL, (c+1)*TL)`` of ``BN`` cache rows (``base``: each row's byte / element
     offset) in ``DTYPE``, and each row's scale of that tile. ``DS_MLA``: e4m3 codes (converted
-    as they are; ``ON_LOAD``: :func:`e4m3_on_load`) and the tile's float32 scale, read from the
-    row's scale block (``SCALES``: the same bytes as float32); plain caches: the values, scale 1."""
+    as they are) and the tile's float32 scale, read from the row's scale block (``SCALES``: the same
+    bytes as float32); plain caches: the values, scale 1."""
     t = tl.arange(0, TL)
     if DS_MLA:
         codes = tl.load(CACHE + base[:, None] + c * TL + t[None, :], mask=jm[:, None], other=0)
         scale = tl.load(SCALES + base // 4 + L // 4 + c, mask=jm, other=0.0)
-        return e4m3_tile(codes, DTYPE, ON_LOAD), scale
+        return e4m3(codes, DTYPE), scale
     values = tl.load(CACHE + base[:, None] + c * TL + t[None, :], mask=jm[:, None], other=0.0)
     return values.to(DTYPE), tl.full(jm.shape, 1.0, tl.float32)
 
@@ -271,7 +249,6 @@ def mla_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr,
     DS_MLA: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-    F16_DOTS: tl.constexpr, ON_LOAD: tl.constexpr,
 ):
     """MLA attention in the latent space over a paged latent cache; program (tile, head block, split).
 
@@ -281,10 +258,7 @@ def mla_kernel(
 
     The latent dims are processed in ``NT`` tiles of ``TL = min(L, 128)`` (the fp8_ds_mla
     quantisation tiles; at most 4): fp8 codes enter the dots as they are, their tile scale
-    multiplies the scores and the probabilities instead of every value. ``F16_DOTS`` (fp8_ds_mla):
-    the latent dots run on float16, the codes converted exactly and each query lane's latent
-    scaled by a power of two into float16's range (the RoPE dot stays in the model's dtype);
-    ``ON_LOAD``: the codes are converted where they are loaded (:func:`e4m3_on_load`).
+    multiplies the scores and the probabilities instead of every value.
     ``DS_MLA`` rows: ``L`` e4m3 codes, ``L/128`` float32 scales, ``R`` bf16 RoPE values
     (``SCALES`` / ``ROPE``: the same bytes as float32 / bf16; strides in bytes).
     """
@@ -311,19 +285,6 @@ def mla_kernel(
             acc3 = tl.full([M, TL], 0.0, tl.float32)
         q_pe = tl.load(Q_PE + row[:, None] * stride_pt + head[:, None] * stride_ph + rot[None, :],
                        mask=live[:, None] & (rot < R)[None, :], other=0.0)
-        if F16_DOTS:  # one power of two per lane over its whole latent query
-            amax = abs_max_lanes(q0)
-            if NT > 1:
-                amax = tl.maximum(amax, abs_max_lanes(q1))
-            if NT > 2:
-                amax = tl.maximum(amax, tl.maximum(abs_max_lanes(q2), abs_max_lanes(q3)))
-            up, down = pow2_lane_scales(amax)
-            q0 = to_f16_lanes(q0, up)
-            if NT > 1:
-                q1 = to_f16_lanes(q1, up)
-            if NT > 2:
-                q2 = to_f16_lanes(q2, up)
-                q3 = to_f16_lanes(q3, up)
         lo = split * SPLIT
         if SPARSE:
             hi = tl.minimum(lo + SPLIT, index_len).to(tl.int32)
@@ -345,22 +306,20 @@ def mla_kernel(
             safe_key = tl.where(jm, key, 0)
             block = tl.load(table + safe_key // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
             base = block * stride_b + (safe_key % BLOCK_SIZE).to(tl.int64) * stride_s
-            kv0, sc0 = latent_tile(CACHE, SCALES, base, jm, 0, L, TL, DS_MLA, q0.dtype, ON_LOAD)
+            kv0, sc0 = latent_tile(CACHE, SCALES, base, jm, 0, L, TL, DS_MLA, q0.dtype)
             s = latent_scores(q0, kv0, sc0, DS_MLA, IEEE)
             if NT > 1:
-                kv1, sc1 = latent_tile(CACHE, SCALES, base, jm, 1, L, TL, DS_MLA, q0.dtype, ON_LOAD)
+                kv1, sc1 = latent_tile(CACHE, SCALES, base, jm, 1, L, TL, DS_MLA, q0.dtype)
                 s += latent_scores(q1, kv1, sc1, DS_MLA, IEEE)
             if NT > 2:
-                kv2, sc2 = latent_tile(CACHE, SCALES, base, jm, 2, L, TL, DS_MLA, q0.dtype, ON_LOAD)
-                kv3, sc3 = latent_tile(CACHE, SCALES, base, jm, 3, L, TL, DS_MLA, q0.dtype, ON_LOAD)
+                kv2, sc2 = latent_tile(CACHE, SCALES, base, jm, 2, L, TL, DS_MLA, q0.dtype)
+                kv3, sc3 = latent_tile(CACHE, SCALES, base, jm, 3, L, TL, DS_MLA, q0.dtype)
                 s += latent_scores(q2, kv2, sc2, DS_MLA, IEEE) + latent_scores(q3, kv3, sc3, DS_MLA, IEEE)
-            if F16_DOTS:
-                s = s * down[:, None]
             if DS_MLA:
                 pe_at = ROPE + (base // 2)[:, None] + ((L + 4 * NT) // 2 + rot)[None, :]
             else:
                 pe_at = CACHE + base[:, None] + L + rot[None, :]
-            pe = tl.load(pe_at, mask=jm[:, None] & (rot < R)[None, :], other=0.0).to(q_pe.dtype)
+            pe = tl.load(pe_at, mask=jm[:, None] & (rot < R)[None, :], other=0.0).to(q0.dtype)
             s = (s + fdot(q_pe, tl.trans(pe), IEEE)) * qk_scale
             s = tl.where(visible, s, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
