@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from pcppass.bench.environment import environment
-from pcppass.bench.kernels import DATASHEET_HBM, V32, input_sets, v32_input_set
+from pcppass.bench.kernels import DATASHEET_HBM, V32, V32Inputs, input_sets, v32_input_set
 from pcppass.bench.timing import time_graph
 from pcppass.kernels.attention.select import SELECT_TILES, SelectTiles, select_topk_triton
 from pcppass.kernels.attention.launch import (
@@ -43,7 +43,7 @@ from pcppass.kernels.attention.launch import (
     mla_tiles,
 )
 
-DIM, TOPK = V32["dim"], V32["topk"]
+DIM, TOPK = V32.dim, V32.topk
 KERNELS = ("indexer", "sparse_mla", "topk_select", "gqa_bf16", "gqa_fp8", "mla_bf16", "mla_fp8_ds_mla")
 
 
@@ -60,9 +60,9 @@ def mla_grid() -> list[MlaTiles]:
     return [SPARSE_MLA_TILES] + [s for s in shapes if s != SPARSE_MLA_TILES]
 
 
-def v32_inputs(rows: int, context: int) -> list[dict]:
+def v32_inputs(rows: int, context: int) -> list[V32Inputs]:
     """``input_sets`` sets of the V3.2 kernels' inputs (those of :func:`pcppass.bench.kernels.v32_cases`)."""
-    return [v32_input_set(rows, context, s) for s in range(input_sets(rows * min(TOPK, context) * 656))]
+    return [v32_input_set(rows, context, s) for s in range(input_sets(rows * min(TOPK, context) * V32.latent_row_bytes))]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -105,16 +105,16 @@ def sweep(grid: list, run, sets: list, reps: int) -> list[dict]:
     return results
 
 
-def run_indexer(tiles: IndexerTiles, s: dict) -> torch.Tensor:
+def run_indexer(tiles: IndexerTiles, s: V32Inputs) -> torch.Tensor:
     from pcppass.kernels.attention.launch import indexer_scores
 
-    return indexer_scores(s["q"], s["w"], s["icache"], s["step"], DIM, tiles)
+    return indexer_scores(s.q, s.w, s.icache, s.step, DIM, tiles)
 
 
-def run_sparse_mla(tiles: MlaTiles, s: dict) -> torch.Tensor:
+def run_sparse_mla(tiles: MlaTiles, s: V32Inputs) -> torch.Tensor:
     from pcppass.kernels.attention.launch import mla_attention
 
-    return mla_attention(s["q_lat"], s["q_pe"], s["mcache"], s["step"], 0.07, True, s["picked"], tiles=tiles)
+    return mla_attention(s.q_lat, s.q_pe, s.mcache, s.step, 0.07, True, s.picked, tiles=tiles)
 
 
 def select_grid() -> list[SelectTiles]:
@@ -123,8 +123,8 @@ def select_grid() -> list[SelectTiles]:
     return [SELECT_TILES] + [s for s in shapes if s != SELECT_TILES]
 
 
-def run_select(tiles: SelectTiles, s: dict) -> torch.Tensor:
-    return select_topk_triton(s["scores"], TOPK, tiles)
+def run_select(tiles: SelectTiles, s: V32Inputs) -> torch.Tensor:
+    return select_topk_triton(s.scores, TOPK, tiles)
 
 
 def gqa_grid(fp8: bool) -> list[GqaTiles]:
@@ -238,7 +238,7 @@ def main() -> int:
         shape = {"rows": rows, "context": context, "input_sets": len(sets),
                  "floor_bytes": {"indexer": rows * context * (DIM + 4) + rows * context * 4,
                                  "topk_select": rows * context * 4,
-                                 "sparse_mla": rows * min(TOPK, context) * 656},
+                                 "sparse_mla": rows * min(TOPK, context) * V32.latent_row_bytes},
                  **{name: sweep(grid(), run, sets, args.reps) for name, grid, run in (
                      ("indexer", indexer_grid, run_indexer), ("sparse_mla", mla_grid, run_sparse_mla),
                      ("topk_select", select_grid, run_select)) if name in v32}}

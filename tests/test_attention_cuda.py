@@ -50,6 +50,24 @@ def test_gqa(segments, fp8):
     assert not out[~step.live].any()
 
 
+def test_gqa_fp8_queries_far_outside_float16():
+    """fp8 GQA decode runs float16 dots, each query lane scaled by a power of two into float16's
+    range: bf16 queries 2^24 and 2^-40 times larger (the scale on the scores divides it back)
+    give the very bytes of unit queries."""
+    from pcppass.kernels.attention.launch import gqa_attention
+
+    step = make_step(DECODE, 3, 64, 72, device="cuda")
+    t = step.rows.positions.shape[0]
+    q = torch.randn(t, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(step.num_blocks, 64, 8, 128, device="cuda").to(torch.float8_e4m3fn) for _ in range(2))
+    scales = (torch.full((1,), 0.5, device="cuda"), torch.full((1,), 2.0, device="cuda"))
+    out = gqa_attention(q, k, v, step.rows, 128**-0.5, *scales)
+    assert out[step.live].isfinite().all()
+    for magnitude in (24, -40):
+        up = 2.0**magnitude
+        assert torch.equal(gqa_attention(q * up, k, v, step.rows, 128**-0.5 / up, *scales), out), magnitude
+
+
 @pytest.mark.parametrize("segments", [DECODE, PREFILL], ids=["decode", "prefill"])
 @pytest.mark.parametrize("ds_mla", [False, True])
 def test_mla_dense(segments, ds_mla):

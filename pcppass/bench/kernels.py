@@ -131,33 +131,62 @@ def mla_cases(rows: int, context: int) -> list[Case]:
     return out
 
 
-#: DeepSeek-V3.2 widths: indexer heads and head dim, top-k, attention heads, latent, RoPE, block size
-V32 = dict(hi=64, dim=128, topk=2048, heads=128, latent=512, rope=64, bs=64)
+@dataclass(frozen=True)
+class V32Widths:
+    """DeepSeek-V3.2's widths, as the V3.2 kernel cases run them."""
+
+    indexer_heads: int = 64
+    dim: int = 128  # indexer head dim, one quantisation block
+    topk: int = 2048
+    heads: int = 128
+    latent: int = 512
+    rope: int = 64
+    block_size: int = 64
+
+    @property
+    def latent_row_bytes(self) -> int:
+        """One fp8_ds_mla row: e4m3 latent codes, a float32 scale per 128 of them, bf16 RoPE values."""
+        return self.latent + 4 * (self.latent // 128) + 2 * self.rope
 
 
-def v32_input_set(rows: int, context: int, index: int) -> dict[str, Any]:
-    """Input set ``index`` of the V3.2 kernels at ``rows`` decode rows of context ``context``: the
-    step, the fp8 indexer cache (ue8m0 keys), the fp8_ds_mla latent cache, DeepSeek's e4m3 indexer
-    query with its weights, the attention queries, the indexer scores and their top-k."""
+V32 = V32Widths()
+
+
+@dataclass(frozen=True)
+class V32Inputs:
+    """One input set of the V3.2 kernels (:func:`v32_input_set`)."""
+
+    step: Any  # pcppass.kernels.attention.launch.StepRows
+    icache: torch.Tensor  # fp8 indexer cache, ue8m0 keys
+    mcache: torch.Tensor  # fp8_ds_mla latent cache
+    q: torch.Tensor  # e4m3 indexer query, its scales folded into ``w``
+    w: torch.Tensor
+    scores: torch.Tensor  # the indexer's scores
+    picked: torch.Tensor  # their top-k
+    q_lat: torch.Tensor
+    q_pe: torch.Tensor
+
+
+def v32_input_set(rows: int, context: int, index: int) -> V32Inputs:
+    """Input set ``index`` of the V3.2 kernels at ``rows`` decode rows of context ``context``."""
     from pcppass.kernels.attention.launch import indexer_scores, select_topk
     from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows, quantize_indexer_query
 
-    hi, dim, topk, heads, latent, rope, bs = (V32[k] for k in ("hi", "dim", "topk", "heads", "latent", "rope", "bs"))
+    bs, dim = V32.block_size, V32.dim
     step, blocks = decode_rows(rows, context, bs, first_request=index * rows)
     keys = torch.randn(blocks * bs, dim, device="cuda", dtype=torch.bfloat16)
     codes, scales = encode_indexer_rows(keys, dim, "ue8m0")
     icache = torch.cat((codes.view(blocks, bs * dim), scales.view(blocks, bs * 4)), 1)
     del keys
-    kv = torch.randn(blocks * bs, latent + rope, device="cuda", dtype=torch.bfloat16)
-    mcache = encode_ds_mla_rows(kv[:, :latent], kv[:, latent:]).view(blocks, bs, -1)
+    kv = torch.randn(blocks * bs, V32.latent + V32.rope, device="cuda", dtype=torch.bfloat16)
+    mcache = encode_ds_mla_rows(kv[:, :V32.latent], kv[:, V32.latent:]).view(blocks, bs, -1)
     del kv
-    q, w = quantize_indexer_query(torch.randn(rows, hi, dim, device="cuda", dtype=torch.bfloat16),
-                                  torch.randn(rows, hi, device="cuda").abs(), "ue8m0")
+    q, w = quantize_indexer_query(torch.randn(rows, V32.indexer_heads, dim, device="cuda", dtype=torch.bfloat16),
+                                  torch.randn(rows, V32.indexer_heads, device="cuda").abs(), "ue8m0")
     scores = indexer_scores(q, w, icache, step, dim)
-    return {"step": step, "icache": icache, "mcache": mcache, "q": q, "w": w, "scores": scores,
-            "picked": select_topk(scores, topk),
-            "q_lat": torch.randn(rows, heads, latent, device="cuda", dtype=torch.bfloat16),
-            "q_pe": torch.randn(rows, heads, rope, device="cuda", dtype=torch.bfloat16)}
+    return V32Inputs(step, icache, mcache, q, w, scores, select_topk(scores, V32.topk),
+                     torch.randn(rows, V32.heads, V32.latent, device="cuda", dtype=torch.bfloat16),
+                     torch.randn(rows, V32.heads, V32.rope, device="cuda", dtype=torch.bfloat16))
 
 
 def v32_cases(rows: int, context: int) -> list[Case]:
@@ -167,22 +196,23 @@ def v32_cases(rows: int, context: int) -> list[Case]:
     from pcppass.kernels.attention.launch import indexer_scores, mla_attention, select_topk
     from pcppass.kernels.attention.select import select_topk_triton
 
-    hi, dim, topk, heads, latent, rope = (V32[k] for k in ("hi", "dim", "topk", "heads", "latent", "rope"))
+    hi, dim, topk, heads, latent, rope = V32.indexer_heads, V32.dim, V32.topk, V32.heads, V32.latent, V32.rope
     index_bytes = rows * context * (dim + 4)
-    sparse_bytes = rows * min(topk, context) * 656
+    sparse_bytes = rows * min(topk, context) * V32.latent_row_bytes
     cases: dict[str, Case] = {}
     for s in range(input_sets(sparse_bytes)):
         inputs = v32_input_set(rows, context, s)
-        step, icache, mcache, q, w, scores, picked, q_lat, q_pe = (inputs[k] for k in (
-            "step", "icache", "mcache", "q", "w", "scores", "picked", "q_lat", "q_pe"))
+        step, icache, mcache, q, w, scores, picked, q_lat, q_pe = (
+            inputs.step, inputs.icache, inputs.mcache, inputs.q, inputs.w, inputs.scores, inputs.picked, inputs.q_lat,
+            inputs.q_pe)
         calls = {
-            "indexer_scores": lambda q=q, w=w, c=icache, st=step: indexer_scores(q, w, c, st, 128),
+            "indexer_scores": lambda q=q, w=w, c=icache, st=step: indexer_scores(q, w, c, st, dim),
             "topk_select": lambda sc=scores: select_topk_triton(sc, topk),
             "topk_select_torch": lambda sc=scores: select_topk(sc, topk),
             "sparse_mla": lambda c=mcache, st=step, p=picked, ql=q_lat, qp=q_pe: mla_attention(
                 ql, qp, c, st, 0.07, True, p),
             "v32_indexer_topk_sparse_mla": lambda q=q, w=w, ic=icache, mc=mcache, st=step, ql=q_lat, qp=q_pe: (
-                mla_attention(ql, qp, mc, st, 0.07, True, select_topk_triton(indexer_scores(q, w, ic, st, 128), topk))),
+                mla_attention(ql, qp, mc, st, 0.07, True, select_topk_triton(indexer_scores(q, w, ic, st, dim), topk))),
         }
         floors = {"indexer_scores": (index_bytes + rows * scores.shape[1] * 4, 2.0 * rows * context * hi * dim),
                   "topk_select": (rows * scores.shape[1] * 4, 0.0),
