@@ -54,9 +54,8 @@ def indexer_grid() -> list[IndexerTiles]:
 
 
 def mla_grid() -> list[MlaTiles]:
-    shapes = [MlaTiles(heads=heads, bn=bn, warps=warps, stages=stages, sparse_split=split)
-              for heads, bn, warps, stages, split in itertools.product((32, 64), (32,), (8,), (3, 4),
-                                                                       (512, 1024, 2048))]
+    shapes = [MlaTiles(heads=64, bn=32, warps=8, stages=stages, sparse_split=split, table_in_registers=regs)
+              for stages, split, regs in itertools.product((2, 3, 4), (512, 1024), (False, True))]
     return [SPARSE_MLA_TILES] + [s for s in shapes if s != SPARSE_MLA_TILES]
 
 
@@ -128,16 +127,15 @@ def run_select(tiles: SelectTiles, s: V32Inputs) -> torch.Tensor:
 
 
 def gqa_grid(fp8: bool) -> list[GqaTiles]:
-    shapes = [GqaTiles(bn=bn, warps=warps, stages=stages, f16_dots=f16)
-              for bn, warps, stages, f16 in itertools.product((32, 64, 128, 256), (4, 8), (1, 2, 3, 4),
-                                                              (False, True) if fp8 else (False,))]
+    shapes = [GqaTiles(bn=bn, warps=4, stages=stages, f16_dots=fp8, table_in_registers=regs)
+              for bn, stages, regs in itertools.product((64, 128), (2, 3, 4), (False, True))]
     default = gqa_tiles(True, fp8)
     return [default] + [s for s in shapes if s != default]
 
 
 def dense_mla_grid(ds_mla: bool) -> list[MlaTiles]:
-    shapes = [MlaTiles(bn=bn, warps=warps, stages=stages)
-              for bn, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
+    shapes = [MlaTiles(bn=bn, warps=4, stages=stages, table_in_registers=regs)
+              for bn, stages, regs in itertools.product((32, 64), (2, 3, 4), (False, True))]
     default = mla_tiles(True, ds_mla, False)
     return [default] + [s for s in shapes if s != default]
 

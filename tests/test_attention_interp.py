@@ -47,7 +47,7 @@ def mode(request, monkeypatch):
     if request.param == "row_split":
         for name in ("GQA_SPLIT", "MLA_SPLIT"):
             monkeypatch.setattr(launch, name, 8)
-        monkeypatch.setattr(launch, "SPARSE_MLA_TILES", replace(launch.SPARSE_MLA_TILES, sparse_split=8))
+        monkeypatch.setattr(launch, "SPARSE_MLA_TILES", replace(launch.SPARSE_MLA_TILES, sparse_split=4))
         monkeypatch.setattr(launch, "INDEXER_TILES", replace(launch.INDEXER_TILES, chunk=8, bn=16))
     if request.param == "tile":
         monkeypatch.setattr(launch, "ROW_MODE_MAX_ROWS", 0)
@@ -61,7 +61,7 @@ def close(out, ref, live, tol=1e-5):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gqa_matches_reference(mode, fp8):
+def test_gqa_matches_reference(mode, table_in_registers, fp8):
     from pcppass.kernels.attention.launch import gqa_attention
 
     step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
@@ -81,7 +81,7 @@ def test_gqa_matches_reference(mode, fp8):
 
 @pytest.mark.parametrize("ds_mla", [False, True])
 @pytest.mark.parametrize("sparse", [False, True])
-def test_mla_matches_reference(mode, ds_mla, sparse):
+def test_mla_matches_reference(mode, table_in_registers, ds_mla, sparse):
     """(Sparse MLA runs per row in every mode: each row has its own positions.)"""
     from pcppass.kernels.attention.launch import mla_attention
 
@@ -100,6 +100,17 @@ def test_mla_matches_reference(mode, ds_mla, sparse):
         index[step.rows.is_padding] = -1
     out = mla_attention(q_lat, q_pe, cache, step.rows, 0.1, ds_mla, index)
     close(out, reference_mla(step, q_lat, q_pe, cache, 0.1, latent, ds_mla, index), step.live)
+
+
+@pytest.fixture(params=[False, True], ids=["table_loads", "table_in_registers"])
+def table_in_registers(request, mode, monkeypatch):
+    """Per-row splits with the block table loaded per key tile, or held in registers."""
+    from dataclasses import replace
+
+    from pcppass.kernels.attention import launch
+
+    for name in ("GQA_TILES", "GQA_FP8_TILES", "MLA_TILES", "MLA_FP8_TILES", "SPARSE_MLA_TILES"):
+        monkeypatch.setattr(launch, name, replace(getattr(launch, name), table_in_registers=request.param))
 
 
 @pytest.fixture

@@ -47,6 +47,7 @@ class GqaTiles:
     warps: int = 4
     stages: int = 2
     f16_dots: bool = False
+    table_in_registers: bool = False  # per-row splits: see triton_kernels.split_blocks
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class MlaTiles:
     warps: int | None = None  # None: 8 for tiles of at least 32 lanes, else 4
     stages: int = 2
     sparse_split: int = 1024  # sparse rows only
+    table_in_registers: bool = False  # per-row splits: see triton_kernels.split_blocks
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -204,6 +206,25 @@ def _ieee(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+#: the most block-table entries a program holds in registers
+MAX_BLOCKS_IN_REGISTERS = 4096
+
+
+def _split_blocks(tiles: Tiles, split: int, block_size: int) -> int:
+    """Table entries a per-row split of ``split`` keys spans, a power of two (0: tiles of rows, or
+    too many to hold in registers: the kernel loads each key tile's block ids)."""
+    n = _pow2(-(-split // block_size) + 1)
+    return n if tiles.row_mode and split != NO_SPLIT and n <= MAX_BLOCKS_IN_REGISTERS else 0
+
+
+def _table_row_in_registers(tables: torch.Tensor, tiles: Tiles, split: int) -> int:
+    """Entries of a whole block-table row, a power of two, for sparse rows whose split of picks
+    (a power of two) is held in registers too (0: one split per row, or too many entries)."""
+    n = _pow2(tables.shape[1])
+    fits = n <= MAX_BLOCKS_IN_REGISTERS and split <= MAX_BLOCKS_IN_REGISTERS and split == _pow2(split)
+    return n if tiles.row_mode and split != NO_SPLIT and fits else 0
+
+
 def _half(dtype: torch.dtype) -> bool:
     """A 16-bit query, whose values float16 holds once scaled per lane (float32 queries keep their
     exact float32 dots)."""
@@ -240,6 +261,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=launch_shape.bn, D=d, DV=dv,
             SPLIT=split, ROW_MODE=schedule.row_mode, FP8=fp8, DIRECT=splits == 1, IEEE=_ieee(q.dtype),
             F16_DOTS=fp8 and launch_shape.f16_dots and _half(q.dtype),
+            NBLK=_split_blocks(schedule, split, bs) if launch_shape.table_in_registers else 0,
             num_warps=launch_shape.warps, num_stages=launch_shape.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
@@ -287,12 +309,14 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         kernels().mla_kernel[(schedule.count, heads // group, splits)](
             q_lat, q_pe, flat, scales, rope_bytes, rows.tables, *rows.tile_args(schedule),
             index if sparse else rows.positions, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
-            span if sparse else 0,
+            span if sparse else 0, rows.tables.shape[1],
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
             rows.tables.stride(0), index.stride(0) if sparse else 0, out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=tiles.bn, L=lat, R=rope,
             RP=max(MIN_DOT, _pow2(rope)), SPLIT=split, ROW_MODE=schedule.row_mode, DS_MLA=ds_mla, SPARSE=sparse,
             DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype),
+            NBLK=(_table_row_in_registers(rows.tables, schedule, split) if sparse else _split_blocks(schedule, split, bs))
+            if tiles.table_in_registers else 0,
             num_warps=tiles.warps or (8 if bm * group >= 32 else 4), num_stages=tiles.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)

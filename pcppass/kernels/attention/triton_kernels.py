@@ -78,6 +78,25 @@ def tile_lanes(row0, nrows, block, POSITIONS, GROUP: tl.constexpr, BM: tl.conste
 
 
 @triton.jit
+def split_blocks(table, lo, hi, BLOCK_SIZE: tl.constexpr, NBLK: tl.constexpr):
+    """The block ids of a split's keys ``[lo, hi)`` (``NBLK`` table entries from block
+    ``lo // BLOCK_SIZE``), loaded once into registers; :func:`block_of` picks a key tile's from
+    them. With no load between a tile's keys and its cache rows, the compiler gives the rows'
+    loads every pipeline stage: a block-table load inside the loop takes one, which leaves the
+    rows a single shared-memory buffer, so their loads never overlap the previous tile's math."""
+    first = lo // BLOCK_SIZE
+    b = tl.arange(0, NBLK)
+    return tl.load(table + first + b, mask=(first + b) * BLOCK_SIZE < hi, other=0)
+
+
+@triton.jit
+def block_of(blocks, j, lo, BLOCK_SIZE: tl.constexpr, NBLK: tl.constexpr):
+    """Block ids (int64) of keys ``j`` from :func:`split_blocks` (clamped: keys past the split
+    are masked by their caller)."""
+    return tl.gather(blocks, tl.minimum(j // BLOCK_SIZE - lo // BLOCK_SIZE, NBLK - 1), 0).to(tl.int64)
+
+
+@triton.jit
 def fdot(a, b, IEEE: tl.constexpr):
     """``a @ b`` accumulated in float32 (``IEEE``: exact float32 products, for float32 inputs)."""
     if IEEE:
@@ -156,14 +175,16 @@ def gqa_kernel(
     stride_table, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr, FP8: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr, F16_DOTS: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr, F16_DOTS: tl.constexpr, NBLK: tl.constexpr,
 ):
     """Paged GQA attention: ``K``/``V`` caches ``[nb, bs, Hk, D]``; program (tile, kv head, split).
 
     ``FP8`` caches: the codes enter the dots as they are (per-tensor scales on the scores and the
     output). ``F16_DOTS``: the dots run on float16, the codes converted exactly (one instruction
     per two) and each query lane scaled by a power of two into float16's range
-    (:func:`f16_lanes`, undone on its scores); the probabilities meet the values as float16."""
+    (:func:`f16_lanes`, undone on its scores); the probabilities meet the values as float16.
+    ``NBLK > 0`` (per-row splits): the split's block ids are held in registers
+    (:func:`split_blocks`)."""
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -186,10 +207,15 @@ def gqa_kernel(
         l_i = tl.full([M], 0.0, tl.float32)
         acc = tl.full([M, DV], 0.0, tl.float32)
         table = TABLES + req * stride_table
+        if NBLK > 0:
+            blocks = split_blocks(table, lo, hi, BLOCK_SIZE, NBLK)
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             jm = j < hi
-            block = tl.load(table + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+            if NBLK > 0:
+                block = block_of(blocks, j, lo, BLOCK_SIZE, NBLK)
+            else:
+                block = tl.load(table + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
             off = (j % BLOCK_SIZE).to(tl.int64)
             k = tl.load(K + block[:, None] * stride_kb + off[:, None] * stride_ks + hk * stride_kh + d[None, :],
                         mask=jm[:, None], other=0)
@@ -244,11 +270,11 @@ def latent_values(acc, alpha, p, kv, scale, DS_MLA: tl.constexpr, IEEE: tl.const
 @triton.jit
 def mla_kernel(
     Q_LAT, Q_PE, CACHE, SCALES, ROPE, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, TILE_REQ, TILE_ROW0,
-    TILE_NROWS, INDEX, OUT, PART_O, PART_ML, qk_scale, num_splits, num_heads, index_len,
+    TILE_NROWS, INDEX, OUT, PART_O, PART_ML, qk_scale, num_splits, num_heads, index_len, table_cols,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_it, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr,
-    DS_MLA: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    DS_MLA: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, NBLK: tl.constexpr,
 ):
     """MLA attention in the latent space over a paged latent cache; program (tile, head block, split).
 
@@ -261,6 +287,8 @@ def mla_kernel(
     multiplies the scores and the probabilities instead of every value.
     ``DS_MLA`` rows: ``L`` e4m3 codes, ``L/128`` float32 scales, ``R`` bf16 RoPE values
     (``SCALES`` / ``ROPE``: the same bytes as float32 / bf16; strides in bytes).
+    ``NBLK > 0`` (per-row splits): block ids come from registers (:func:`split_blocks`); sparse
+    rows hold their whole block-table row (``table_cols`` entries) and their split's picks there.
     """
     TL: tl.constexpr = L if L < 128 else 128
     NT: tl.constexpr = L // TL
@@ -293,18 +321,34 @@ def mla_kernel(
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.full([M], 0.0, tl.float32)
         table = TABLES + req * stride_table
+        if NBLK > 0:
+            if SPARSE:
+                b = tl.arange(0, NBLK)
+                blocks = tl.load(table + b, mask=b < table_cols, other=0)
+                nth = tl.arange(0, SPLIT)
+                picks = tl.load(INDEX + row0 * stride_it + lo + nth, mask=lo + nth < hi, other=-1)
+            else:
+                blocks = split_blocks(table, lo, hi, BLOCK_SIZE, NBLK)
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             jm = j < hi
             if SPARSE:
-                key = tl.load(INDEX + row0 * stride_it + j, mask=jm, other=-1)
+                if NBLK > 0:
+                    key = tl.where(jm, tl.gather(picks, tl.minimum(j - lo, SPLIT - 1), 0), -1)
+                else:
+                    key = tl.load(INDEX + row0 * stride_it + j, mask=jm, other=-1)
                 jm = jm & (key >= 0)
                 visible = jm[None, :] & live[:, None]
             else:
                 key = j
                 visible = (j[None, :] <= pos[:, None]) & jm[None, :]
             safe_key = tl.where(jm, key, 0)
-            block = tl.load(table + safe_key // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+            if NBLK == 0:
+                block = tl.load(table + safe_key // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+            elif SPARSE:
+                block = tl.gather(blocks, tl.minimum(safe_key // BLOCK_SIZE, NBLK - 1), 0).to(tl.int64)
+            else:
+                block = block_of(blocks, j, lo, BLOCK_SIZE, NBLK)
             base = block * stride_b + (safe_key % BLOCK_SIZE).to(tl.int64) * stride_s
             kv0, sc0 = latent_tile(CACHE, SCALES, base, jm, 0, L, TL, DS_MLA, q0.dtype)
             s = latent_scores(q0, kv0, sc0, DS_MLA, IEEE)
