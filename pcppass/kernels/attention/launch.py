@@ -75,16 +75,18 @@ class MlaTiles:
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
 #: dense MLA at 32 rows, 32k (bf16 and fp8 caches apart); the indexer at 32 / 64 rows, 32k; sparse
-#: MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row). Prefill
-#: tiles (several rows per program) keep the shapes they were written with.
-GQA_TILES = GqaTiles(bn=128, stages=3)
-GQA_FP8_TILES = GqaTiles(bn=128, stages=2, f16_dots=True)
+#: MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row). Block ids
+#: in registers measured faster for every kernel but fp8_ds_mla dense MLA (even there:
+#: attention_tiles_table_regs_h200.*). Prefill tiles (several rows per program) keep the shapes
+#: they were written with.
+GQA_TILES = GqaTiles(bn=64, stages=2, table_in_registers=True)
+GQA_FP8_TILES = GqaTiles(bn=128, stages=3, f16_dots=True, table_in_registers=True)
 GQA_PREFILL_TILES = GqaTiles()
 INDEXER_TILES = IndexerTiles()
-MLA_TILES = MlaTiles(bn=64, stages=3)
+MLA_TILES = MlaTiles(bn=64, stages=2, table_in_registers=True)
 MLA_FP8_TILES = MlaTiles(bn=64, stages=2)
 MLA_PREFILL_TILES = MlaTiles()
-SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=4)
+SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, table_in_registers=True)
 
 
 def gqa_tiles(row_mode: bool, fp8: bool) -> GqaTiles:
