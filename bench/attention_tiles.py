@@ -48,8 +48,8 @@ KERNELS = ("indexer", "sparse_mla", "topk_select", "gqa_bf16", "gqa_fp8", "mla_b
 
 
 def indexer_grid() -> list[IndexerTiles]:
-    shapes = [IndexerTiles(bn=bn, chunk=chunk, warps=warps, stages=stages)
-              for bn, chunk, warps, stages in itertools.product((64, 128, 256), (1024, 2048), (4, 8), (2, 3))]
+    shapes = [IndexerTiles(bn=bn, chunk=chunk, warps=4, stages=stages, table_in_registers=regs)
+              for bn, chunk, stages, regs in itertools.product((128, 256), (1024, 2048), (2, 3), (False, True))]
     return [INDEXER_TILES] + [s for s in shapes if s != INDEXER_TILES]
 
 

@@ -109,7 +109,7 @@ def table_in_registers(request, mode, monkeypatch):
 
     from pcppass.kernels.attention import launch
 
-    for name in ("GQA_TILES", "GQA_FP8_TILES", "MLA_TILES", "MLA_FP8_TILES", "SPARSE_MLA_TILES"):
+    for name in ("GQA_TILES", "GQA_FP8_TILES", "MLA_TILES", "MLA_FP8_TILES", "SPARSE_MLA_TILES", "INDEXER_TILES"):
         monkeypatch.setattr(launch, name, replace(getattr(launch, name), table_in_registers=request.param))
 
 
@@ -164,7 +164,7 @@ def test_fp8_gqa_with_float16_dots(mode, f16_dots):
         assert torch.equal(scaled, out), magnitude
 
 
-def test_indexer_scores_and_topk_match_reference(mode):
+def test_indexer_scores_and_topk_match_reference(mode, table_in_registers):
     """Scores within float32 rounding; the top-k is exactly the reference's set, including the
     choice among tied scores (every third key is zero: its score is exactly 0 for every query)."""
     from pcppass.kernels.attention.launch import indexer_scores, select_topk
@@ -190,7 +190,7 @@ def test_indexer_scores_and_topk_match_reference(mode):
 
 
 @pytest.mark.parametrize("head_dim,qbs", [(32, 32), (32, 16), (16, 16)])
-def test_indexer_e4m3_queries_match_reference(mode, head_dim, qbs):
+def test_indexer_e4m3_queries_match_reference(mode, table_in_registers, head_dim, qbs):
     """DeepSeek-V3.2's query (e4m3 codes, one scale per head folded into the weights): with one key
     scale per token the codes of both sides meet in an fp8 dot, else (several scales, or heads
     narrower than an fp8 MMA's K) the float32 path runs over the same values; either way the

@@ -58,6 +58,7 @@ class IndexerTiles:
     chunk: int = 2048
     warps: int = 4
     stages: int = 3
+    table_in_registers: bool = False  # see triton_kernels.split_blocks
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,9 @@ class MlaTiles:
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
 #: dense MLA at 32 rows, 32k (bf16 and fp8 caches apart); the indexer at 32 / 64 rows, 32k; sparse
 #: MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row). Block ids
-#: in registers measured faster for every kernel but fp8_ds_mla dense MLA (even there:
-#: attention_tiles_table_regs_h200.*). Prefill tiles (several rows per program) keep the shapes
-#: they were written with.
+#: in registers measured faster for every kernel but fp8_ds_mla dense MLA, which they leave as it
+#: was (attention_tiles_table_regs_h200.*). Prefill tiles (several rows per program) keep the
+#: shapes they were written with.
 GQA_TILES = GqaTiles(bn=64, stages=2, table_in_registers=True)
 GQA_FP8_TILES = GqaTiles(bn=128, stages=3, f16_dots=True, table_in_registers=True)
 GQA_PREFILL_TILES = GqaTiles()
@@ -351,7 +352,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
             rows.positions, rows.token_to_req, rows.is_padding, scores, span, q.stride(0), q.stride(1),
             weights.stride(0), flat.stride(0), rows.tables.stride(0), scores.stride(0),
             BLOCK_SIZE=bs, HI=heads, HP=max(MIN_DOT, _pow2(heads)), D=d, QBS=quant_block_size, BN=tiles.bn,
-            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), Q_FP8=q_fp8, num_warps=tiles.warps, num_stages=tiles.stages,
+            CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), Q_FP8=q_fp8,
+            NBLK=_split_blocks(Tiles(True, 1, t), tiles.chunk, bs) if tiles.table_in_registers else 0,
+            num_warps=tiles.warps, num_stages=tiles.stages,
         )
     return scores
 

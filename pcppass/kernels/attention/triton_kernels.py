@@ -412,7 +412,7 @@ def indexer_kernel(
     Q, WEIGHTS, CACHE, SCALES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, SCORES, span,
     stride_qt, stride_qh, stride_wt, stride_b, stride_table, stride_st,
     BLOCK_SIZE: tl.constexpr, HI: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QBS: tl.constexpr,
-    BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, Q_FP8: tl.constexpr,
+    BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, Q_FP8: tl.constexpr, NBLK: tl.constexpr,
 ):
     """Lightning-indexer scores of one row over one ``CHUNK`` of its positions (program (row, chunk)):
     ``sum_h w[h] * relu(q[h] . k)`` with ``k`` = e4m3 codes * block scales read from the
@@ -422,7 +422,8 @@ def indexer_kernel(
     ``Q`` holds e4m3 codes, each head's scale already folded into its weight, and the dot runs on
     the fp8 codes of both sides (accumulated in float32), no conversion, as keys x heads: the
     weighted sum over heads runs along the accumulator's rows (within a thread and its quad)
-    instead of across warps (heads x keys measured slower at every launch shape)."""
+    instead of across warps (heads x keys measured slower at every launch shape). ``NBLK > 0``:
+    the chunk's block ids are held in registers (:func:`split_blocks`)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if tl.load(IS_PADDING + row) == 0:
@@ -436,10 +437,15 @@ def indexer_kernel(
         lo = chunk * CHUNK
         hi = tl.minimum(tl.minimum(lo + CHUNK, pos + 1), span).to(tl.int32)
         NQ: tl.constexpr = D // QBS
+        if NBLK > 0:
+            blocks = split_blocks(table, lo, hi, BLOCK_SIZE, NBLK)
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             jm = j < hi
-            block = tl.load(table + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+            if NBLK > 0:
+                block = block_of(blocks, j, lo, BLOCK_SIZE, NBLK)
+            else:
+                block = tl.load(table + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
             off = (j % BLOCK_SIZE).to(tl.int64)
             codes = tl.load(CACHE + block[:, None] * stride_b + off[:, None] * D + d[None, :], mask=jm[:, None], other=0)
             scale_at = (block * stride_b + BLOCK_SIZE * D) // 4 + off * NQ
