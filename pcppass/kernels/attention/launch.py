@@ -47,7 +47,7 @@ class GqaTiles:
     warps: int = 4
     stages: int = 2
     f16_dots: bool = False
-    table_in_registers: bool = False  # per-row splits: see triton_kernels.split_blocks
+    table_in_registers: bool = True  # per-row splits: see triton_kernels.split_blocks
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class IndexerTiles:
     chunk: int = 2048
     warps: int = 4
     stages: int = 3
-    table_in_registers: bool = False  # see triton_kernels.split_blocks
+    table_in_registers: bool = True  # see triton_kernels.split_blocks
 
 
 @dataclass(frozen=True)
@@ -71,23 +71,24 @@ class MlaTiles:
     warps: int | None = None  # None: 8 for tiles of at least 32 lanes, else 4
     stages: int = 2
     sparse_split: int = 1024  # sparse rows only
-    table_in_registers: bool = False  # per-row splits: see triton_kernels.split_blocks
+    table_in_registers: bool = True  # per-row splits: see triton_kernels.split_blocks
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
 #: dense MLA at 32 rows, 32k (bf16 and fp8 caches apart); the indexer at 32 / 64 rows, 32k; sparse
 #: MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row). Block ids
-#: in registers measured faster for every kernel but fp8_ds_mla dense MLA, which they leave as it
-#: was (attention_tiles_table_regs_h200.*). Prefill tiles (several rows per program) keep the
-#: shapes they were written with.
-GQA_TILES = GqaTiles(bn=64, stages=2, table_in_registers=True)
-GQA_FP8_TILES = GqaTiles(bn=128, stages=3, f16_dots=True, table_in_registers=True)
+#: in registers (every shape's default) measured faster for every kernel but fp8_ds_mla dense
+#: MLA, which they leave as it was (attention_tiles_table_regs_h200.*,
+#: attention_tiles_indexer_regs_h200.*). Prefill tiles (several rows per program, which load
+#: their block ids) keep the shapes they were written with.
+GQA_TILES = GqaTiles(bn=64, stages=2)
+GQA_FP8_TILES = GqaTiles(bn=128, stages=3, f16_dots=True)
 GQA_PREFILL_TILES = GqaTiles()
 INDEXER_TILES = IndexerTiles()
-MLA_TILES = MlaTiles(bn=64, stages=2, table_in_registers=True)
+MLA_TILES = MlaTiles(bn=64, stages=2)
 MLA_FP8_TILES = MlaTiles(bn=64, stages=2)
 MLA_PREFILL_TILES = MlaTiles()
-SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, table_in_registers=True)
+SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3)
 
 
 def gqa_tiles(row_mode: bool, fp8: bool) -> GqaTiles:
@@ -213,11 +214,11 @@ def _ieee(dtype: torch.dtype) -> bool:
 MAX_BLOCKS_IN_REGISTERS = 4096
 
 
-def _split_blocks(tiles: Tiles, split: int, block_size: int) -> int:
-    """Table entries a per-row split of ``split`` keys spans, a power of two (0: tiles of rows, or
-    too many to hold in registers: the kernel loads each key tile's block ids)."""
+def _split_blocks(per_row: bool, split: int, block_size: int) -> int:
+    """Table entries a per-row split of ``split`` keys spans, a power of two (0: tiles of rows, a
+    single split, or too many to hold in registers: the kernel loads each key tile's block ids)."""
     n = _pow2(-(-split // block_size) + 1)
-    return n if tiles.row_mode and split != NO_SPLIT and n <= MAX_BLOCKS_IN_REGISTERS else 0
+    return n if per_row and split != NO_SPLIT and n <= MAX_BLOCKS_IN_REGISTERS else 0
 
 
 def _table_row_in_registers(tables: torch.Tensor, tiles: Tiles, split: int) -> int:
@@ -264,7 +265,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=launch_shape.bn, D=d, DV=dv,
             SPLIT=split, ROW_MODE=schedule.row_mode, FP8=fp8, DIRECT=splits == 1, IEEE=_ieee(q.dtype),
             F16_DOTS=fp8 and launch_shape.f16_dots and _half(q.dtype),
-            NBLK=_split_blocks(schedule, split, bs) if launch_shape.table_in_registers else 0,
+            NBLK=_split_blocks(schedule.row_mode, split, bs) if launch_shape.table_in_registers else 0,
             num_warps=launch_shape.warps, num_stages=launch_shape.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
@@ -318,7 +319,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             BLOCK_SIZE=bs, GROUP=group, BM=bm, M=max(MIN_DOT, _pow2(bm * group)), BN=tiles.bn, L=lat, R=rope,
             RP=max(MIN_DOT, _pow2(rope)), SPLIT=split, ROW_MODE=schedule.row_mode, DS_MLA=ds_mla, SPARSE=sparse,
             DIRECT=splits == 1, IEEE=_ieee(q_lat.dtype),
-            NBLK=(_table_row_in_registers(rows.tables, schedule, split) if sparse else _split_blocks(schedule, split, bs))
+            NBLK=(_table_row_in_registers(rows.tables, schedule, split) if sparse
+                  else _split_blocks(schedule.row_mode, split, bs))
             if tiles.table_in_registers else 0,
             num_warps=tiles.warps or (8 if bm * group >= 32 else 4), num_stages=tiles.stages,
         )
@@ -353,7 +355,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
             weights.stride(0), flat.stride(0), rows.tables.stride(0), scores.stride(0),
             BLOCK_SIZE=bs, HI=heads, HP=max(MIN_DOT, _pow2(heads)), D=d, QBS=quant_block_size, BN=tiles.bn,
             CHUNK=tiles.chunk, IEEE=_ieee(q.dtype), Q_FP8=q_fp8,
-            NBLK=_split_blocks(Tiles(True, 1, t), tiles.chunk, bs) if tiles.table_in_registers else 0,
+            NBLK=_split_blocks(True, tiles.chunk, bs) if tiles.table_in_registers else 0,  # programs per (row, chunk)
             num_warps=tiles.warps, num_stages=tiles.stages,
         )
     return scores
