@@ -134,8 +134,12 @@ def gqa_grid(fp8: bool) -> list[GqaTiles]:
 
 
 def dense_mla_grid(ds_mla: bool) -> list[MlaTiles]:
-    shapes = [MlaTiles(bn=bn, warps=4, stages=stages, table_in_registers=regs)
-              for bn, stages, regs in itertools.product((32, 64), (2, 3, 4), (False, True))]
+    if ds_mla:
+        shapes = [MlaTiles(bn=bn, warps=4, stages=stages, separate_loads=separate)
+                  for bn, stages, separate in itertools.product((32, 64), (2, 3), (False, True))]
+    else:
+        shapes = [MlaTiles(bn=bn, warps=4, stages=stages, table_in_registers=regs)
+                  for bn, stages, regs in itertools.product((32, 64), (2, 3, 4), (False, True))]
     default = mla_tiles(True, ds_mla, False)
     return [default] + [s for s in shapes if s != default]
 

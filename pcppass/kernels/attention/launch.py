@@ -72,6 +72,7 @@ class MlaTiles:
     stages: int = 2
     sparse_split: int = 1024  # sparse rows only
     table_in_registers: bool = True  # per-row splits: see triton_kernels.split_blocks
+    separate_loads: bool = False  # dense fp8_ds_mla rows: see triton_kernels.latent_scores
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -322,6 +323,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             NBLK=(_table_row_in_registers(rows.tables, schedule, split) if sparse
                   else _split_blocks(schedule.row_mode, split, bs))
             if tiles.table_in_registers else 0,
+            SEPARATE_LOADS=ds_mla and not sparse and tiles.separate_loads,
             num_warps=tiles.warps or (8 if bm * group >= 32 else 4), num_stages=tiles.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)

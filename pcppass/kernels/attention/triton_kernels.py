@@ -251,9 +251,18 @@ def latent_tile(CACHE, SCALES, base, jm, c: tl.constexpr, L: tl.constexpr, TL: t
 
 
 @triton.jit
-def latent_scores(q, kv, scale, DS_MLA: tl.constexpr, IEEE: tl.constexpr):
-    """``q_tile . kv_tile`` per (query, key), times each key's tile scale."""
-    s = fdot(q, tl.trans(kv), IEEE)
+def latent_scores(q, kv, scale, CACHE, base, jm, c: tl.constexpr, TL: tl.constexpr, DS_MLA: tl.constexpr,
+                  IEEE: tl.constexpr, SEPARATE_LOADS: tl.constexpr):
+    """``q_tile . kv_tile`` per (query, key), times each key's tile scale. ``SEPARATE_LOADS``
+    (fp8_ds_mla): the scores' dot reads tile ``c``'s codes from a load of its own, dims x keys
+    (a load that feeds two dots in different layouts, here the scores' and the values', is not
+    pipelined by the compiler: each tile's codes were waited for where they are used)."""
+    if SEPARATE_LOADS:
+        t = tl.arange(0, TL)
+        codes = tl.load(CACHE + base[None, :] + c * TL + t[:, None], mask=jm[None, :], other=0)
+        s = fdot(q, e4m3(codes, q.dtype), IEEE)
+    else:
+        s = fdot(q, tl.trans(kv), IEEE)
     if DS_MLA:
         s = s * scale[None, :]
     return s
@@ -275,6 +284,7 @@ def mla_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr,
     DS_MLA: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, NBLK: tl.constexpr,
+    SEPARATE_LOADS: tl.constexpr,
 ):
     """MLA attention in the latent space over a paged latent cache; program (tile, head block, split).
 
@@ -351,14 +361,15 @@ def mla_kernel(
                 block = block_of(blocks, j, lo, BLOCK_SIZE, NBLK)
             base = block * stride_b + (safe_key % BLOCK_SIZE).to(tl.int64) * stride_s
             kv0, sc0 = latent_tile(CACHE, SCALES, base, jm, 0, L, TL, DS_MLA, q0.dtype)
-            s = latent_scores(q0, kv0, sc0, DS_MLA, IEEE)
+            s = latent_scores(q0, kv0, sc0, CACHE, base, jm, 0, TL, DS_MLA, IEEE, SEPARATE_LOADS)
             if NT > 1:
                 kv1, sc1 = latent_tile(CACHE, SCALES, base, jm, 1, L, TL, DS_MLA, q0.dtype)
-                s += latent_scores(q1, kv1, sc1, DS_MLA, IEEE)
+                s += latent_scores(q1, kv1, sc1, CACHE, base, jm, 1, TL, DS_MLA, IEEE, SEPARATE_LOADS)
             if NT > 2:
                 kv2, sc2 = latent_tile(CACHE, SCALES, base, jm, 2, L, TL, DS_MLA, q0.dtype)
                 kv3, sc3 = latent_tile(CACHE, SCALES, base, jm, 3, L, TL, DS_MLA, q0.dtype)
-                s += latent_scores(q2, kv2, sc2, DS_MLA, IEEE) + latent_scores(q3, kv3, sc3, DS_MLA, IEEE)
+                s += latent_scores(q2, kv2, sc2, CACHE, base, jm, 2, TL, DS_MLA, IEEE, SEPARATE_LOADS)
+                s += latent_scores(q3, kv3, sc3, CACHE, base, jm, 3, TL, DS_MLA, IEEE, SEPARATE_LOADS)
             if DS_MLA:
                 pe_at = ROPE + (base // 2)[:, None] + ((L + 4 * NT) // 2 + rot)[None, :]
             else:
