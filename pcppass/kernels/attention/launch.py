@@ -80,14 +80,15 @@ class MlaTiles:
 #: MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row). Block ids
 #: in registers (every shape's default) measured faster for every kernel but fp8_ds_mla dense
 #: MLA, which they leave as it was (attention_tiles_table_regs_h200.*,
-#: attention_tiles_indexer_regs_h200.*). Prefill tiles (several rows per program, which load
+#: attention_tiles_indexer_regs_h200.*); fp8_ds_mla dense MLA gains from separate loads instead
+#: (attention_tiles_ds_mla_loads_h200.*). Prefill tiles (several rows per program, which load
 #: their block ids) keep the shapes they were written with.
 GQA_TILES = GqaTiles(bn=64, stages=2)
 GQA_FP8_TILES = GqaTiles(bn=128, stages=3, f16_dots=True)
 GQA_PREFILL_TILES = GqaTiles()
 INDEXER_TILES = IndexerTiles()
 MLA_TILES = MlaTiles(bn=64, stages=2)
-MLA_FP8_TILES = MlaTiles(bn=64, stages=2)
+MLA_FP8_TILES = MlaTiles(bn=32, stages=3, separate_loads=True)
 MLA_PREFILL_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3)
 
