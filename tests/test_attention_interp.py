@@ -79,21 +79,16 @@ def test_gqa_matches_reference(mode, table_in_registers, fp8):
     assert torch.equal(out[~step.live], torch.zeros_like(out[~step.live]))
 
 
-@pytest.mark.parametrize("separate_loads", [False, True])
 @pytest.mark.parametrize("ds_mla", [False, True])
 @pytest.mark.parametrize("sparse", [False, True])
-def test_mla_matches_reference(mode, table_in_registers, ds_mla, sparse, separate_loads, monkeypatch):
-    """(Sparse MLA runs per row in every mode: each row has its own positions.) ``separate_loads``:
-    fp8_ds_mla scores read their codes from a load of their own."""
-    from dataclasses import replace
-
+def test_mla_matches_reference(mode, table_in_registers, ds_mla, sparse):
+    """(Sparse MLA runs per row in every mode: each row has its own positions. Dense fp8_ds_mla
+    rows read their codes twice per program, the scores from a load of their own, and prefill
+    tiles once: the per-row modes and the tile mode run both.)"""
     from pcppass.kernels.attention import launch
     from pcppass.kernels.attention.launch import mla_attention
 
-    if separate_loads and (sparse or not ds_mla):
-        pytest.skip("a dense fp8_ds_mla switch")
-    for name in ("MLA_FP8_TILES", "MLA_PREFILL_TILES"):
-        monkeypatch.setattr(launch, name, replace(getattr(launch, name), separate_loads=separate_loads))
+    assert launch.MLA_FP8_TILES.separate_loads and not launch.MLA_PREFILL_TILES.separate_loads
 
     latent, rope = 128, 8
     step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
