@@ -45,10 +45,11 @@ def mode(request, monkeypatch):
     from pcppass.kernels.attention import launch
 
     if request.param == "row_split":
-        for name in ("GQA_SPLIT", "MLA_SPLIT"):
-            monkeypatch.setattr(launch, name, 8)
+        # splits that start inside a block (6 and 3 keys, 4-key blocks; 3 is shorter than a block)
+        monkeypatch.setattr(launch, "GQA_SPLIT", 6)
+        monkeypatch.setattr(launch, "MLA_SPLIT", 3)
         monkeypatch.setattr(launch, "SPARSE_MLA_TILES", replace(launch.SPARSE_MLA_TILES, sparse_split=4))
-        monkeypatch.setattr(launch, "INDEXER_TILES", replace(launch.INDEXER_TILES, chunk=8, bn=16))
+        monkeypatch.setattr(launch, "INDEXER_TILES", replace(launch.INDEXER_TILES, chunk=6, bn=16))
     if request.param == "tile":
         monkeypatch.setattr(launch, "ROW_MODE_MAX_ROWS", 0)
         monkeypatch.setattr(launch, "TILE_M", 8)
@@ -135,16 +136,17 @@ def _queries(g, shape, up: float) -> torch.Tensor:
     return (signs * (torch.rand(shape, generator=g) * (4 - 1 / 16) + 1 / 16)).bfloat16() * up
 
 
-def _fp8_gqa(step, magnitude: int):
+def _fp8_gqa(step, magnitude: int, loud_head: int = 0):
     """(kernel output, reference output, largest value) of bf16 queries ``2^magnitude`` times
     larger than :func:`_queries` against fp8 caches, the scale on the scores ``2^-magnitude``
-    times smaller."""
+    times smaller; head 1's queries ``2^loud_head`` times larger still."""
     from pcppass.kernels.attention.launch import gqa_attention
 
     g = torch.Generator().manual_seed(8)
     t = step.rows.positions.shape[0]
     up = 2.0**magnitude
     q = _queries(g, (t, 4, 16), up)
+    q[:, 1] *= 2.0**loud_head
     k_cache, v_cache = (torch.randn(step.num_blocks, BS, 2, 16, generator=g).mul(4).to(torch.float8_e4m3fn)
                         for _ in range(2))
     scales = (torch.tensor([0.25]), torch.tensor([0.5]))
@@ -155,18 +157,24 @@ def _fp8_gqa(step, magnitude: int):
 
 def test_fp8_gqa_with_float16_dots(mode, f16_dots):
     """bf16 queries meet fp8 codes in float16 dots. Each query lane is scaled by a power of two
-    into float16's range and its scores scaled back, so queries 2^24 and 2^-40 times larger (far
-    outside float16's range; the scale on the scores divides it back) give the very bytes of the
-    unit ones. The output is the reference's (float32 throughout) to within its conversion to
+    into float16's range and its scores scaled back, so queries 2^24, 2^-40, 2^110 and 2^-110
+    times larger (far outside float16's range; the scale on the scores divides it back) give the
+    very bytes of the unit ones, and one head 2^40 times louder than the others does not cost
+    them their precision. The output is the reference's (float32 throughout) to within its conversion to
     bf16 (one unit in the last place of the largest output: the interpreter truncates) and
     float16's rounding of the probabilities (2^-11 of each, so of at most the largest value)."""
     step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
     out, ref, largest_value = _fp8_gqa(step, 0)
     largest_out = float(ref[step.live].abs().max())
-    close(out.float(), ref, step.live, tol=torch.finfo(torch.bfloat16).eps + 2**-11 * largest_value / largest_out)
-    for magnitude in (24, -40):
+    tol = torch.finfo(torch.bfloat16).eps + 2**-11 * largest_value / largest_out
+    close(out.float(), ref, step.live, tol=tol)
+    for magnitude in (24, -40, 110, -110):
         scaled, *_ = _fp8_gqa(step, magnitude)
         assert torch.equal(scaled, out), magnitude
+    # each lane has its own scale: a head 2^40 times louder (a scale shared with it would flush
+    # the others to zero in float16) leaves the others their precision
+    loud, loud_ref, _ = _fp8_gqa(step, 0, loud_head=40)
+    close(loud.float(), loud_ref, step.live, tol=tol)
 
 
 def test_indexer_scores_and_topk_match_reference(mode, table_in_registers):

@@ -12,7 +12,9 @@ Every attention kernel reads the paged caches through the block table, row by ro
   :func:`combine_kernel` merges them (``DIRECT``: one split, normalised output written at once).
 
 The split boundaries depend only on ``SPLIT`` (a constant per kernel), never on the batch: a row's
-result is the same whichever rows share its step.
+result is the same whichever rows share its step, as long as the step runs per-row programs (at
+most ``ROW_MODE_MAX_ROWS`` rows); tiles of rows sum in another order (and fp8 GQA's decode shape
+alone runs float16 dots).
 
 Row ``m`` of a tile's query block is (row ``m // GROUP``, head ``m % GROUP``): the heads that share
 one KV head (GQA) or the latent cache (MLA) are stacked into the M dimension of one ``tl.dot``.
@@ -119,10 +121,12 @@ def pow2_lane_scales(amax):
     """Per lane, ``(2^k, 2^-k)`` for the ``k`` that puts ``amax`` (the lane's largest magnitude,
     float32) in ``[2^14, 2^15)``. Scaled by ``2^k``, every bf16 value of the lane is a float16
     exactly, but for those below ``2^-28`` of the lane's largest, which round at ``2^-38`` of it.
-    Both factors are built from exponent bits, so they are exact; ``k`` is clamped to +-100 (zero,
-    denormal and infinite lanes)."""
+    Both factors are built from exponent bits and ``k`` is clamped to [-126, 126], so they are
+    exact normal floats: a lane whose largest value is below ``2^-112`` (or denormal, or zero) is
+    scaled by ``2^126`` only, into [1, 2^14) (its values below ``2^-24`` of its largest round);
+    an infinite or NaN lane stays so."""
     exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = tl.minimum(tl.maximum(14 - exponent, -100), 100)
+    k = tl.minimum(tl.maximum(14 - exponent, -126), 126)
     up = ((k + 127) << 23).to(tl.float32, bitcast=True)
     down = ((127 - k) << 23).to(tl.float32, bitcast=True)
     return up, down
