@@ -81,21 +81,31 @@ def tile_lanes(row0, nrows, block, POSITIONS, GROUP: tl.constexpr, BM: tl.conste
 
 @triton.jit
 def split_blocks(table, lo, hi, BLOCK_SIZE: tl.constexpr, NBLK: tl.constexpr):
-    """The block ids of a split's keys ``[lo, hi)`` (``NBLK`` table entries from block
-    ``lo // BLOCK_SIZE``), loaded once into registers; :func:`block_of` picks a key tile's from
-    them. With no load between a tile's keys and its cache rows, the compiler gives the rows'
-    loads every pipeline stage: a block-table load inside the loop takes one, which leaves the
-    rows a single shared-memory buffer, so their loads never overlap the previous tile's math."""
-    first = lo // BLOCK_SIZE
-    b = tl.arange(0, NBLK)
-    return tl.load(table + first + b, mask=(first + b) * BLOCK_SIZE < hi, other=0)
+    """The block ids of a split's keys ``[lo, hi)`` (``NBLK`` table entries of the row ``table``
+    from block ``lo // BLOCK_SIZE``), loaded once into registers; :func:`key_blocks` picks a key
+    tile's from them. With no load between a tile's keys and its cache rows, the compiler gives
+    the rows' loads every pipeline stage: a block-table load inside the loop takes one, which
+    leaves the rows a single shared-memory buffer, so their loads never overlap the previous
+    tile's math. ``NBLK == 0``: nothing is held (``key_blocks`` loads each tile's ids)."""
+    if NBLK == 0:
+        blocks = table
+    else:
+        first = lo // BLOCK_SIZE
+        b = tl.arange(0, NBLK)
+        blocks = tl.load(table + first + b, mask=(first + b) * BLOCK_SIZE < hi, other=0)
+    return blocks
 
 
 @triton.jit
-def block_of(blocks, j, lo, BLOCK_SIZE: tl.constexpr, NBLK: tl.constexpr):
-    """Block ids (int64) of keys ``j`` from :func:`split_blocks` (clamped: keys past the split
-    are masked by their caller)."""
-    return tl.gather(blocks, tl.minimum(j // BLOCK_SIZE - lo // BLOCK_SIZE, NBLK - 1), 0).to(tl.int64)
+def key_blocks(table, blocks, keys, mask, lo, BLOCK_SIZE: tl.constexpr, NBLK: tl.constexpr):
+    """Block ids (int64) of logical positions ``keys`` (at least ``lo``): from the registers of
+    :func:`split_blocks` (``blocks``, held from ``lo``; clamped, as keys past the split are masked
+    by their caller), or with ``NBLK == 0`` loaded from the row ``table`` where ``mask``."""
+    if NBLK == 0:
+        block = tl.load(table + keys // BLOCK_SIZE, mask=mask, other=0)
+    else:
+        block = tl.gather(blocks, tl.minimum(keys // BLOCK_SIZE - lo // BLOCK_SIZE, NBLK - 1), 0)
+    return block.to(tl.int64)
 
 
 @triton.jit
@@ -211,15 +221,11 @@ def gqa_kernel(
         l_i = tl.full([M], 0.0, tl.float32)
         acc = tl.full([M, DV], 0.0, tl.float32)
         table = TABLES + req * stride_table
-        if NBLK > 0:
-            blocks = split_blocks(table, lo, hi, BLOCK_SIZE, NBLK)
+        blocks = split_blocks(table, lo, hi, BLOCK_SIZE, NBLK)
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             jm = j < hi
-            if NBLK > 0:
-                block = block_of(blocks, j, lo, BLOCK_SIZE, NBLK)
-            else:
-                block = tl.load(table + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+            block = key_blocks(table, blocks, j, jm, lo, BLOCK_SIZE, NBLK)
             off = (j % BLOCK_SIZE).to(tl.int64)
             k = tl.load(K + block[:, None] * stride_kb + off[:, None] * stride_ks + hk * stride_kh + d[None, :],
                         mask=jm[:, None], other=0)
@@ -335,14 +341,13 @@ def mla_kernel(
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.full([M], 0.0, tl.float32)
         table = TABLES + req * stride_table
-        if NBLK > 0:
-            if SPARSE:
-                b = tl.arange(0, NBLK)
-                blocks = tl.load(table + b, mask=b < table_cols, other=0)
+        if SPARSE:  # picks anywhere in the row: its whole table
+            blocks = split_blocks(table, 0, table_cols * BLOCK_SIZE, BLOCK_SIZE, NBLK)
+            if NBLK > 0:
                 nth = tl.arange(0, SPLIT)
                 picks = tl.load(INDEX + row0 * stride_it + lo + nth, mask=lo + nth < hi, other=-1)
-            else:
-                blocks = split_blocks(table, lo, hi, BLOCK_SIZE, NBLK)
+        else:
+            blocks = split_blocks(table, lo, hi, BLOCK_SIZE, NBLK)
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             jm = j < hi
@@ -357,12 +362,10 @@ def mla_kernel(
                 key = j
                 visible = (j[None, :] <= pos[:, None]) & jm[None, :]
             safe_key = tl.where(jm, key, 0)
-            if NBLK == 0:
-                block = tl.load(table + safe_key // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
-            elif SPARSE:
-                block = tl.gather(blocks, tl.minimum(safe_key // BLOCK_SIZE, NBLK - 1), 0).to(tl.int64)
+            if SPARSE:
+                block = key_blocks(table, blocks, safe_key, jm, 0, BLOCK_SIZE, NBLK)
             else:
-                block = block_of(blocks, j, lo, BLOCK_SIZE, NBLK)
+                block = key_blocks(table, blocks, j, jm, lo, BLOCK_SIZE, NBLK)
             base = block * stride_b + (safe_key % BLOCK_SIZE).to(tl.int64) * stride_s
             kv0, sc0 = latent_tile(CACHE, SCALES, base, jm, 0, L, TL, DS_MLA, q0.dtype)
             s = latent_scores(q0, kv0, sc0, CACHE, base, jm, 0, TL, DS_MLA, IEEE, SEPARATE_LOADS)
@@ -452,15 +455,11 @@ def indexer_kernel(
         lo = chunk * CHUNK
         hi = tl.minimum(tl.minimum(lo + CHUNK, pos + 1), span).to(tl.int32)
         NQ: tl.constexpr = D // QBS
-        if NBLK > 0:
-            blocks = split_blocks(table, lo, hi, BLOCK_SIZE, NBLK)
+        blocks = split_blocks(table, lo, hi, BLOCK_SIZE, NBLK)
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             jm = j < hi
-            if NBLK > 0:
-                block = block_of(blocks, j, lo, BLOCK_SIZE, NBLK)
-            else:
-                block = tl.load(table + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+            block = key_blocks(table, blocks, j, jm, lo, BLOCK_SIZE, NBLK)
             off = (j % BLOCK_SIZE).to(tl.int64)
             codes = tl.load(CACHE + block[:, None] * stride_b + off[:, None] * D + d[None, :], mask=jm[:, None], other=0)
             scale_at = (block * stride_b + BLOCK_SIZE * D) // 4 + off * NQ
