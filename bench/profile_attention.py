@@ -24,6 +24,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--kernels", default="gqa_fp8,mla_fp8_ds_mla,indexer,topk_select,sparse_mla",
+                        help="which kernels to run, in this order")
     args = parser.parse_args()
     q, k, v, step, *scales = gqa_inputs(args.rows, args.context, True)
     q_lat, q_pe, mla_step, caches = mla_inputs(args.rows, args.context)
@@ -35,7 +37,8 @@ def main() -> int:
         "topk_select": lambda: select_topk_triton(s.scores, V32.topk),
         "sparse_mla": lambda: mla_attention(s.q_lat, s.q_pe, s.mcache, s.step, 0.07, True, s.picked),
     }
-    for name, call in calls.items():
+    for name in args.kernels.split(","):
+        call = calls[name]
         for _ in range(2):
             call()
         torch.cuda.synchronize()

@@ -121,6 +121,34 @@ def test_v32_indexer_topk_sparse_mla(e4m3_query):
     assert rel_err(out, ref, live) < BF16_TOL
 
 
+@pytest.mark.parametrize("rows_per_rank", [4, 8, 16, 32])
+def test_sparse_mla_split_for_the_deployments_rows(rows_per_rank):
+    """Sparse MLA launched for 4 / 8 / 16 / 32 decode rows per rank (128 / 256 / 512 / 1024 picks
+    per split on an H200) matches the reference; under one setting a row's bytes are the same
+    alone and among the step's other rows (the split follows the setting, never the step)."""
+    from pcppass.kernels.attention.launch import StepRows, decode_rows_per_rank, mla_attention, sparse_tiles
+
+    step = make_step([(1, 2900 + 301 * i) for i in range(6)], 0, 64, 80, device="cuda")
+    t = step.rows.positions.shape[0]
+    g = torch.Generator(device="cuda").manual_seed(rows_per_rank)
+    picked = torch.stack([torch.randperm(int(p) + 1, device="cuda", generator=g)[:2048].sort().values
+                          for p in step.rows.positions])
+    cache = mla_cache(step, 512, 64, True, device="cuda")
+    q_lat = torch.randn(t, 128, 512, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(t, 128, 64, device="cuda", dtype=torch.bfloat16)
+    ref = reference_mla(step, q_lat, q_pe, cache, 0.07, 512, True, picked)
+    r = step.rows
+    first = StepRows(r.tables[:1], r.positions[:1], r.token_to_req[:1], r.query_start_loc[:2], r.is_padding[:1])
+    with decode_rows_per_rank(rows_per_rank):
+        split = sparse_tiles(128, 2048, q_lat.device).sparse_split
+        out = mla_attention(q_lat, q_pe, cache, r, 0.07, True, picked)
+        alone = mla_attention(q_lat[:1], q_pe[:1], cache, first, 0.07, True, picked[:1])
+    print(f"{rows_per_rank} rows per rank: {split} picks per split, error {rel_err(out, ref, step.live):.1e}")
+    assert split == {4: 128, 8: 256, 16: 512, 32: 1024}[rows_per_rank]
+    assert rel_err(out, ref, step.live) < BF16_TOL
+    assert torch.equal(alone, out[:1])
+
+
 def test_rows_do_not_depend_on_their_step_and_graph_replays_match():
     """Row 0 alone and among 63 other rows: the same bytes (fixed split sizes); a captured CUDA
     graph's replay gives the eager bytes."""

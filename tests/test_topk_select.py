@@ -5,8 +5,10 @@ visible scores than ``k``, rows shorter than ``k``, ``k = 1`` and ``k = span``, 
 ``+inf``, denormals, strided rows, and a hypothesis property over small shapes.
 
 Each case runs with the launcher's chunk sizes and with tiny ones (several chunks and a sampled
-lower bound even in short rows); the sampled rows are also driven through each of their paths:
-the bound leaves a few candidates, too few (dropped), too many (the row is read).
+lower bound even in short rows), the latter with a row's candidates found by several programs
+(parts of 32 positions) and by the row's own program; the sampled rows are also driven through
+each of their paths, both ways: the bound leaves a few candidates, too few (dropped), too many
+(the row is read).
 """
 
 import pytest
@@ -28,13 +30,13 @@ def interpret(monkeypatch):
     yield
 
 
-def tiny_tiles(chunk: int = 16, candidate_chunk: int = 8, sample: int = 16):
-    """Chunks of 16 keys (8 candidates) and samples of 16 keys: short rows span many chunks and
-    are sampled too."""
+def tiny_tiles(chunk: int = 16, candidate_chunk: int = 8, sample: int = 16, part: int = 32, part_rows: int = 32):
+    """Chunks of 16 keys (8 candidates), samples of 16 keys and parts of 32 positions: short rows
+    span many chunks, are sampled too and narrowed by several programs (``part=0``: by one)."""
     from pcppass.kernels.attention.select import SelectTiles
 
     return SelectTiles(chunk=chunk, warps=4, sample=sample, min_chunk=16, min_warps=4,
-                       candidate_chunk=candidate_chunk)
+                       candidate_chunk=candidate_chunk, part=part, part_rows=part_rows)
 
 
 def use_tiny_tiles(monkeypatch, **sizes):
@@ -43,11 +45,14 @@ def use_tiny_tiles(monkeypatch, **sizes):
     monkeypatch.setattr(select, "SELECT_TILES", tiny_tiles(**sizes))
 
 
-@pytest.fixture(params=["launcher", "tiny"])
+@pytest.fixture(params=["launcher", "tiny", "tiny_one_program"])
 def tiles(request, monkeypatch):
-    """the launcher's chunk sizes, or tiny ones."""
+    """the launcher's chunk sizes, or tiny ones (a sampled row's candidates found by a program per
+    part, or by the row's own)."""
     if request.param == "tiny":
         use_tiny_tiles(monkeypatch)
+    elif request.param == "tiny_one_program":
+        use_tiny_tiles(monkeypatch, part=0)
     return request.param
 
 
@@ -129,6 +134,17 @@ def test_strided_rows_and_edge_sizes(tiles):
     check(wide, 0)
 
 
+def test_parts_only_in_calls_of_few_rows(monkeypatch):
+    """Past ``part_rows`` rows a call narrows each row in its own program: the same picks."""
+    from pcppass.kernels.attention.select import select_topk_triton
+
+    g = torch.Generator().manual_seed(10)
+    scores = torch.randn(5, 300, generator=g).mul(4).round()
+    use_tiny_tiles(monkeypatch, part_rows=4)
+    whole = check(scores, 20)
+    assert torch.equal(select_topk_triton(scores[:4], 20), whole[:4])  # 4 rows: by parts
+
+
 def test_long_row_with_the_launcher_sample():
     """Rows long enough for the launcher's own sample: candidates at or above the sampled bound,
     every visible score (fewer than k), every visible score (the sample mostly -inf)."""
@@ -158,12 +174,15 @@ def sampled_path(row: torch.Tensor, k: int) -> str:
     return "candidates" if candidates <= select.CANDIDATE_SLOTS * k else "row"
 
 
-def test_sampled_bound_paths(monkeypatch):
+@pytest.mark.parametrize("part", [0, 256, 100])
+def test_sampled_bound_paths(monkeypatch, part):
     """Each path of a sampled row (small chunks, 512 sampled keys): a bound that leaves a little
     more than k candidates (random rows, ties, a -inf tail); one that leaves fewer than k (every
     sampled key above the rest: dropped); one with more candidates than their slots (ties at the
-    top: the row is read); fewer visible keys than k (every one a candidate)."""
-    use_tiny_tiles(monkeypatch, chunk=64, candidate_chunk=32, sample=512)
+    top: the row is read); fewer visible keys than k (every one a candidate). The candidates found
+    by the row's own program, by 8 programs of 256 positions, and by 21 of 100 (parts that split
+    chunks, a short last part)."""
+    use_tiny_tiles(monkeypatch, chunk=64, candidate_chunk=32, sample=512, part=part)
     g = torch.Generator().manual_seed(9)
     span, k = 2048, 400
     scores = torch.rand(6, span, generator=g)

@@ -15,7 +15,9 @@ Per model, in the same processes and on the same caches, every variant of one de
 
 Synced variants run with the backend's checks on (:class:`~pcppass.checks.SyncChecks` defaults)
 and record the checks and the transport their graphs carry (:mod:`pcppass.bench.sync_info`).
-Sharded variants also all-gather the final hidden rows, as an engine must. Before timing, a smoke
+Sharded variants also all-gather the final hidden rows, as an engine must. Each variant launches
+its attention kernels for its own rows per rank (:func:`pcppass.kernels.attention.launch.decode_rows_per_rank`:
+``N * P`` replicated, ``N`` sharded), as a deployment of either would. Before timing, a smoke
 runs a few sharded steps with moving ownership and compares every cache bitwise across ranks (and
 checks that ``nosync`` does make them differ). With ``cuda_graph`` a step is captured when
 :func:`pcppass.bench.sync_info.capturable` says it can be (on CUDA the checks run on the device);
@@ -39,6 +41,7 @@ from pcppass.bench.environment import environment
 from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
 from pcppass.bench.results import save_partial
 from pcppass.bench.timing import bare_all_gather_us, capture, time_steps, timed
+from pcppass.kernels.attention.launch import decode_rows_per_rank
 
 #: synced variant -> (schedule, transport); ``<variant>_nochecks``: the same with every check off
 SYNCED_KINDS = {"immediate": ("immediate", "auto"), "deferred": ("deferred", "auto"),
@@ -170,7 +173,9 @@ def bench_model(rank: int, world: int, cfg: StepBenchConfig, name: str, layers: 
         ids, positions, meta = inputs
 
         def step():
-            hidden = fn(ids, positions, meta, setup.caches)
+            # kernels launched for this variant's rows per rank, as its deployment would set them
+            with decode_rows_per_rank(len(reqs)):
+                hidden = fn(ids, positions, meta, setup.caches)
             if cfg.gather_hidden and variant in SHARDED:
                 out = hidden.new_empty((hidden.shape[0] * world, hidden.shape[1]))
                 dist.all_gather_into_tensor(out, hidden)

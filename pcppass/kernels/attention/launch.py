@@ -11,14 +11,23 @@ one program per row, its keys split into fixed ranges (flash-decoding); a larger
 chunks) runs tiles of consecutive rows of one request, all heads of a KV head stacked into the
 tile, each tile over all its keys. Split sizes are constants, so a row's arithmetic does not depend
 on the other rows of the step.
+
+Sparse MLA (DeepSeek-V3.2) is the exception that proves the rule: its rows are short (``topk``
+picks) and wide (128 heads), so at 1024 picks per split a step of fewer than about 33 rows leaves
+SMs idle and takes as long as one of 32 rows. Its split is therefore chosen from the *deployment's*
+decode rows per rank (:func:`decode_rows_per_rank`, set once per engine, the same on every rank),
+never from the rows of the step at hand: a row's result still does not depend on its step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -91,6 +100,55 @@ MLA_TILES = MlaTiles(bn=64, stages=2)
 MLA_FP8_TILES = MlaTiles(bn=32, stages=3, separate_loads=True)
 MLA_PREFILL_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3)
+
+
+#: picks per split of a sparse MLA row that :func:`sparse_split_for` chooses from, largest first
+SPARSE_SPLITS = (1024, 512, 256, 128)
+#: the SM count assumed off CUDA (interpreter tests): an H200's
+DEFAULT_SMS = 132
+#: decode rows per rank the sparse MLA split is chosen for (None: ``SPARSE_MLA_TILES`` as measured)
+_decode_rows: int | None = None
+
+
+@contextlib.contextmanager
+def decode_rows_per_rank(rows: int | None) -> Iterator[None]:
+    """Launch sparse MLA for decode steps of about ``rows`` rows per rank while inside (None: the
+    fixed :data:`SPARSE_MLA_TILES`). A deployment constant, like ``max_num_seqs``: every rank (and
+    any reference run meant to match it bitwise) must use the same value, since the split changes
+    the rounding of a row's result; the rows a step actually has never do."""
+    global _decode_rows
+    if rows is not None and rows < 1:
+        raise ValueError(f"decode_rows_per_rank: {rows} rows")
+    saved, _decode_rows = _decode_rows, rows
+    try:
+        yield
+    finally:
+        _decode_rows = saved
+
+
+def sparse_split_for(rows: int, head_blocks: int, picks: int, sms: int) -> int:
+    """Picks per split of a sparse MLA row: the largest of :data:`SPARSE_SPLITS` with which
+    ``rows`` rows fill nine tenths of ``sms`` SMs (one program per row, head block and split: a
+    program of 64 heads holds a whole SM), else the smallest. Measured on the H200 at 32k context,
+    2048 picks, 128 heads (bench/results/decode_rows_h200.*): 1024 picks per split take 168 µs from
+    4 to 32 rows; 512 at 16 rows 94 µs, 256 at 8 rows 54 µs, 128 at 4 rows 33 µs."""
+    for split in SPARSE_SPLITS:
+        if rows * head_blocks * -(-picks // split) >= 0.9 * sms:
+            return split
+    return SPARSE_SPLITS[-1]
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
+
+
+def sparse_tiles(heads: int, picks: int, device: torch.device) -> MlaTiles:
+    """:data:`SPARSE_MLA_TILES`, its split chosen for :func:`decode_rows_per_rank` if set."""
+    if _decode_rows is None:
+        return SPARSE_MLA_TILES
+    blocks = heads // mla_heads_per_program(heads, SPARSE_MLA_TILES)
+    return dataclasses.replace(SPARSE_MLA_TILES,
+                               sparse_split=sparse_split_for(_decode_rows, blocks, picks, _sms(device)))
 
 
 def gqa_tiles(row_mode: bool, fp8: bool) -> GqaTiles:
@@ -299,7 +357,9 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     if heads % group:
         raise ValueError(f"mla_attention: {heads} heads are not a multiple of {group}")
     schedule = tile_schedule(rows.query_start_loc, t, 1 if sparse else max(1, TILE_M // group))
-    tiles = tiles or mla_tiles(schedule.row_mode, ds_mla, sparse)
+    if tiles is None:
+        tiles = sparse_tiles(heads, index.shape[1], q_lat.device) if sparse else mla_tiles(schedule.row_mode,
+                                                                                             ds_mla, False)
     if mla_heads_per_program(heads, tiles) != group:
         raise ValueError(f"mla_attention: launch shape {tiles} stacks a different number of heads")
     span = index.shape[1] if sparse else rows.tables.shape[1] * bs

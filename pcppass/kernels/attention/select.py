@@ -1,5 +1,6 @@
-"""Top-k selection without a sort: the DeepSeek-V3.2 lightning indexer's top-2048 in one Triton
-program per row (:mod:`.select_kernels`).
+"""Top-k selection without a sort: the DeepSeek-V3.2 lightning indexer's top-2048 by radix select
+(:mod:`.select_kernels`): one program per row, after a first kernel has narrowed a long row to its
+candidates with one program per part of the row (``SelectTiles.part`` positions each).
 
 Cost model (instructions counted in an sm_90 build of the kernel, not timed): a radix pass costs
 about 60 instructions per key (``tl.histogram`` lowers to a warp ballot per digit bit and a
@@ -32,9 +33,14 @@ class SelectTiles:
     ``candidate_chunk`` of the candidates (below 2**15: a compaction packs two counts of a chunk
     into one int32), ``warps`` per program, ``sample`` evenly spaced keys for the lower bound;
     rows of at most ``min_chunk`` keys run as one chunk on ``min_warps`` warps (at least one key
-    per lane). Measured on the H200 (bench/results/attention_tiles_select_h200.*, 27 shapes, every
-    one's picks equal): 8 warps take 36 / 52 µs per call at 32 rows, 16k / 32k, against 43 / 63 µs
-    with 16 (8 warps spill some registers in an sm_90 build and are still faster)."""
+    per lane). In a call of at most ``part_rows`` rows, a sampled row longer than ``part``
+    positions has its candidates found by one program per ``part`` positions (``part=0``: by its
+    own program, as a whole). Measured on the H200 (bench/results/attention_tiles_select_h200.*, 27
+    shapes, every one's picks equal): 8 warps take 36 / 52 µs per call at 32 rows, 16k / 32k,
+    against 43 / 63 µs with 16 (8 warps spill some registers in an sm_90 build and are still
+    faster). With one program per row a call takes 49-52 µs at 32k from 4 to 64 rows; with parts
+    36 µs up to 16 rows, 50.5 at 32 and 74 at 64, where every part repeats its row's sample
+    (bench/results/decode_rows_h200.*). Either way the picks are the same, bitwise."""
 
     chunk: int = 4096
     warps: int = 8
@@ -42,6 +48,8 @@ class SelectTiles:
     min_chunk: int = 1024
     min_warps: int = 4
     candidate_chunk: int = 1024
+    part: int = 4096
+    part_rows: int = 32
 
 
 SELECT_TILES = SelectTiles()
@@ -80,6 +88,9 @@ def select_topk_triton(scores: torch.Tensor, k: int, tiles: SelectTiles | None =
     narrows its keys to the candidates at or above a lower bound taken from a sample of the row
     (see :func:`sample_rank`), written in position order to a scratch buffer, and selects among
     those; a bound that leaves too few candidates is dropped, too many and the row itself is read.
+    A row longer than ``tiles.part`` (in a call of at most ``tiles.part_rows`` rows) is narrowed by
+    one program per part (each takes the same bound from the same sample), and its selecting program
+    joins the parts' candidates in order. Which way a row goes changes the time, never the picks.
 
     A row's result depends on that row alone; no host reads and fixed shapes, so a step that calls
     this can be captured in a CUDA graph.
@@ -101,12 +112,28 @@ def select_topk_triton(scores: torch.Tensor, k: int, tiles: SelectTiles | None =
     chunk = min(tiles.chunk, tiles.min_chunk if small else triton.next_power_of_2(length))
     sampled = samples_the_row(length, k, tiles)
     cap = min(length, CANDIDATE_SLOTS * k) if sampled else 0
-    cand_keys = torch.empty(rows if sampled else 1, max(cap, 1), dtype=torch.int32, device=scores.device)
+    parts = -(-length // tiles.part) if sampled and tiles.part and rows <= tiles.part_rows else 1
+    warps = tiles.min_warps if small else tiles.warps
+    step, rank = (length // tiles.sample, sample_rank(k, length, tiles.sample)) if sampled else (0, 0)
+    device = scores.device
+    cand_keys = torch.empty(rows if sampled else 1, max(cap, 1), dtype=torch.int32, device=device)
     cand_pos = torch.empty_like(cand_keys)
+    if parts > 1:
+        part_keys = torch.empty(rows, parts * tiles.part, dtype=torch.int32, device=device)
+        part_pos = torch.empty_like(part_keys)
+        counts = torch.empty(rows, parts, dtype=torch.int32, device=device)
+        lows = torch.empty(rows, dtype=torch.int32, device=device)
+        kernels("select_kernels").topk_candidates_kernel[(rows, parts)](
+            scores, part_keys, part_pos, counts, lows, span, length, scores.stride(0), part_keys.stride(0), parts,
+            tiles.part, step, rank, SAMPLE=tiles.sample, ROW_CHUNK=min(chunk, triton.next_power_of_2(tiles.part)),
+            num_warps=warps,
+        )
+    else:
+        part_keys = part_pos = counts = lows = cand_keys
     kernels("select_kernels").topk_select_kernel[(rows,)](
-        scores, out, cand_keys, cand_pos, span, length, k, scores.stride(0), out.stride(0), cand_keys.stride(0),
-        cap, length // tiles.sample, sample_rank(k, length, tiles.sample) if sampled else 0,
-        SAMPLED=sampled, SAMPLE=tiles.sample, ROW_CHUNK=chunk, CAND_CHUNK=tiles.candidate_chunk,
-        num_warps=tiles.min_warps if small else tiles.warps,
+        scores, out, cand_keys, cand_pos, part_keys, part_pos, counts, lows, span, length, k, scores.stride(0),
+        out.stride(0), cand_keys.stride(0), part_keys.stride(0), cap, parts, tiles.part, step, rank,
+        SAMPLED=sampled, PARTS=parts > 1, SAMPLE=tiles.sample, ROW_CHUNK=chunk, CAND_CHUNK=tiles.candidate_chunk,
+        num_warps=warps,
     )
     return out

@@ -54,8 +54,9 @@ def row_keys(ROW, pos, span):
 
 
 @triton.jit
-def source_chunk(ROW, KEYS, POS, start, n, span, low, step, SOURCE: tl.constexpr, CHUNK: tl.constexpr):
-    """(keys, live, positions) of entries ``start ..`` of a source of ``n`` entries."""
+def source_chunk(ROW, KEYS, POS, start, n, span, low, step, SOURCE: tl.constexpr, CHUNK: tl.constexpr, first=0):
+    """(keys, live, positions) of entries ``start ..`` of a source of ``n`` entries (``FROM_ROW``:
+    the row's positions ``first .. first + n``)."""
     i = start + tl.arange(0, CHUNK)
     live = i < n
     if SOURCE == FROM_CANDIDATES:
@@ -65,7 +66,7 @@ def source_chunk(ROW, KEYS, POS, start, n, span, low, step, SOURCE: tl.constexpr
         pos = i * step
         key = row_keys(ROW, pos, span)
     else:
-        pos = i
+        pos = first + i
         key = row_keys(ROW, pos, span)
         live = live & (key >= low)
     return key, live, pos
@@ -105,14 +106,15 @@ def kth_largest(ROW, KEYS, POS, n, span, low, step, need, SOURCE: tl.constexpr, 
 
 @triton.jit
 def compact(ROW, KEYS, POS, n, span, low, step, threshold, ties, OUT_POS, OUT_KEYS, base, cap,
-            SOURCE: tl.constexpr, TIES: tl.constexpr, CANDIDATES: tl.constexpr, CHUNK: tl.constexpr):
+            SOURCE: tl.constexpr, TIES: tl.constexpr, CANDIDATES: tl.constexpr, CHUNK: tl.constexpr, first=0):
     """Walks a source in order and writes, at slots ``base ..``, the positions of its keys above
     ``threshold`` and (``TIES``) of the first ``ties`` keys equal to it. Returns how many it took.
-    ``CANDIDATES``: also writes the keys, and only into the slots below ``cap`` (it counts on)."""
+    ``CANDIDATES``: also writes the keys, and only into the slots below ``cap`` (it counts on).
+    ``first``: see :func:`source_chunk`."""
     taken = tl.full([], 0, tl.int32)
     ties_seen = tl.full([], 0, tl.int32)
     for start in range(0, n, CHUNK):
-        key, live, pos = source_chunk(ROW, KEYS, POS, start, n, span, low, step, SOURCE, CHUNK)
+        key, live, pos = source_chunk(ROW, KEYS, POS, start, n, span, low, step, SOURCE, CHUNK, first)
         larger = (live & (key > threshold)).to(tl.int32)
         if TIES:
             # one scan counts both: ties in the high half, larger keys in the low half
@@ -151,8 +153,64 @@ def select_into(ROW, KEYS, POS, OUT_ROW, n, span, low, k, SOURCE: tl.constexpr, 
 
 
 @triton.jit
-def topk_select_kernel(SCORES, OUT, CAND_KEYS, CAND_POS, span, length, k, stride_s, stride_o, stride_c,
-                       cap, step, sample_rank, SAMPLED: tl.constexpr, SAMPLE: tl.constexpr,
+def sampled_bound(ROW, KEYS, POS, span, step, sample_rank, SAMPLE: tl.constexpr):
+    """The lower bound ``low`` of a sampled row: the ``sample_rank``-th largest key of ``SAMPLE``
+    positions ``step`` apart, and never below the smallest visible key."""
+    low = tl.full([], NEG_INF_KEY + 1, tl.uint32)
+    sampled, _, _ = kth_largest(ROW, KEYS, POS, SAMPLE, span, low, step, sample_rank, FROM_SAMPLE, SAMPLE)
+    return tl.maximum(low, sampled)
+
+
+@triton.jit
+def topk_candidates_kernel(SCORES, PART_KEYS, PART_POS, COUNTS, LOWS, span, length, stride_s, stride_p, num_parts,
+                           part_len, step, sample_rank, SAMPLE: tl.constexpr, ROW_CHUNK: tl.constexpr):
+    """Row ``program_id(0)``, part ``program_id(1)`` (positions ``part * part_len ..``): the
+    candidates of a sampled row, a part per program. Each program of the row takes the same bound
+    (:func:`sampled_bound`: the same sample, the same arithmetic) and writes its part's keys at or
+    above it, in position order, into the part's ``part_len`` slots of ``PART_KEYS`` / ``PART_POS``
+    (room for every key of the part) and their number into ``COUNTS[row, part]``; part 0 writes
+    the bound to ``LOWS[row]``. :func:`topk_select_kernel` then joins the parts in order."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    ROW = SCORES + row * stride_s
+    KEYS = PART_KEYS + row * stride_p + part * part_len
+    POS = PART_POS + row * stride_p + part * part_len
+    low = sampled_bound(ROW, KEYS, POS, span, step, sample_rank, SAMPLE)
+    first = part * part_len
+    n = tl.maximum(tl.minimum(part_len, length - first), 0)
+    count = compact(ROW, KEYS, POS, n, span, low, 0, low - 1, 0, POS, KEYS, 0, part_len, FROM_ROW, False, True,
+                    ROW_CHUNK, first)
+    tl.store(COUNTS + row * num_parts + part, count)
+    if part == 0:
+        tl.store(LOWS + row, low.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def join_parts(PART_KEYS, PART_POS, COUNTS, KEYS, POS, row, stride_p, num_parts, part_len, cap, CHUNK: tl.constexpr):
+    """The candidates of :func:`topk_candidates_kernel`'s parts, copied in part order into the
+    row's ``cap`` candidate slots ``KEYS`` / ``POS`` (so in position order); returns their number
+    (copied only if it fits)."""
+    total = tl.full([], 0, tl.int32)
+    for part in range(0, num_parts):
+        total += tl.load(COUNTS + row * num_parts + part)
+    if total <= cap:
+        base = tl.full([], 0, tl.int32)
+        for part in range(0, num_parts):
+            count = tl.load(COUNTS + row * num_parts + part)
+            src = row * stride_p + part * part_len
+            for start in range(0, count, CHUNK):
+                i = start + tl.arange(0, CHUNK)
+                live = i < count
+                tl.store(KEYS + base + i, tl.load(PART_KEYS + src + i, mask=live), mask=live)
+                tl.store(POS + base + i, tl.load(PART_POS + src + i, mask=live), mask=live)
+            base += count
+    return total
+
+
+@triton.jit
+def topk_select_kernel(SCORES, OUT, CAND_KEYS, CAND_POS, PART_KEYS, PART_POS, COUNTS, LOWS, span, length, k,
+                       stride_s, stride_o, stride_c, stride_p, cap, num_parts, part_len, step, sample_rank,
+                       SAMPLED: tl.constexpr, PARTS: tl.constexpr, SAMPLE: tl.constexpr,
                        ROW_CHUNK: tl.constexpr, CAND_CHUNK: tl.constexpr):
     """Row ``program_id(0)``: ``OUT[row, :k]`` = the positions of the ``k`` largest keys among the
     ``length = max(span, k)`` first (positions from ``span`` on: -inf), the lowest positions first
@@ -161,10 +219,11 @@ def topk_select_kernel(SCORES, OUT, CAND_KEYS, CAND_POS, span, length, k, stride
     ``SAMPLED`` (rows much longer than ``k``): the ``sample_rank``-th largest key of ``SAMPLE``
     positions ``step`` apart is a lower bound ``low`` that most likely leaves a little more than
     ``k`` keys; a compaction pass writes the keys at or above it (in position order) into the
-    row's ``cap`` candidate slots. The selection then reads the candidates only, unless they are
-    fewer than ``k`` (``low`` falls back to every visible key) or more than ``cap`` (it reads the
-    row, keeping the keys at or above ``low``). Either way the ``k`` largest keys are all at or
-    above ``low``, so the result is the same; only the time differs.
+    row's ``cap`` candidate slots (``PARTS``: :func:`topk_candidates_kernel` did, a part of the row
+    per program, and left ``low`` in ``LOWS``; its parts are joined here). The selection then reads
+    the candidates only, unless they are fewer than ``k`` (``low`` falls back to every visible key)
+    or more than ``cap`` (it reads the row, keeping the keys at or above ``low``). Either way the
+    ``k`` largest keys are all at or above ``low``, so the result is the same; only the time differs.
     """
     row = tl.program_id(0).to(tl.int64)
     ROW = SCORES + row * stride_s
@@ -174,10 +233,14 @@ def topk_select_kernel(SCORES, OUT, CAND_KEYS, CAND_POS, span, length, k, stride
     if SAMPLED:
         KEYS = CAND_KEYS + row * stride_c
         POS = CAND_POS + row * stride_c
-        sampled, _, _ = kth_largest(ROW, KEYS, POS, SAMPLE, span, low, step, sample_rank, FROM_SAMPLE, SAMPLE)
-        low = tl.maximum(low, sampled)
-        candidates = compact(ROW, KEYS, POS, length, span, low, 0, low - 1, 0, POS, KEYS, 0, cap,
-                             FROM_ROW, False, True, ROW_CHUNK)
+        if PARTS:
+            low = tl.load(LOWS + row).to(tl.uint32, bitcast=True)
+            candidates = join_parts(PART_KEYS, PART_POS, COUNTS, KEYS, POS, row, stride_p, num_parts, part_len, cap,
+                                    CAND_CHUNK)
+        else:
+            low = sampled_bound(ROW, KEYS, POS, span, step, sample_rank, SAMPLE)
+            candidates = compact(ROW, KEYS, POS, length, span, low, 0, low - 1, 0, POS, KEYS, 0, cap,
+                                 FROM_ROW, False, True, ROW_CHUNK)
         if (candidates < k) & (low > NEG_INF_KEY + 1):
             low = tl.full([], NEG_INF_KEY + 1, tl.uint32)
             candidates = compact(ROW, KEYS, POS, length, span, low, 0, low - 1, 0, POS, KEYS, 0, cap,
