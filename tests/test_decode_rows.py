@@ -36,3 +36,30 @@ def test_setting_is_scoped_and_checked():
         with launch.decode_rows_per_rank(4):
             raise RuntimeError("a failed step")
     assert launch.sparse_tiles(128, 2048, cpu) == launch.SPARSE_MLA_TILES
+
+
+@pytest.mark.parametrize(("policy", "world", "expected"), [("replicated", 1, 12), ("replicated", 2, 12),
+                                                           ("round_robin", 2, 6), ("round_robin", 4, 3),
+                                                           ("sticky", 5, 3)])
+def test_engine_launches_kernels_for_its_full_decode_batch(policy, world, expected):
+    """An engine's steps run inside ``decode_rows_per_rank`` of its full decode batch: every one of
+    ``max_num_seqs`` rows replicated, a ``1 / world`` share (rounded up) sharded, whatever the step."""
+    from pcppass.engine.runner import Engine
+    from pcppass.engine.workload import RequestSpec
+    from pcppass.models import build_model
+
+    model = build_model("llama", "tiny")
+    seen = []
+
+    def runner(input_ids, positions, meta, caches, step_kind):
+        seen.append(launch._decode_rows)
+        return model(input_ids, positions, meta, caches)
+
+    engine = Engine(model, world=world, rank=0, policy=policy, partition_prefill=False, runner=runner,
+                    num_blocks=32, max_num_seqs=12, max_num_batched_tokens=64, max_model_len=64, validate=False)
+    assert engine.decode_rows_per_rank == expected
+    if world == 1:  # (more ranks need a process group)
+        engine.add_request(RequestSpec(req_id=0, prompt=[1, 2, 3], max_new_tokens=3))
+        engine.run()
+        assert seen and set(seen) == {expected}
+        assert launch._decode_rows is None

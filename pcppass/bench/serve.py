@@ -17,8 +17,9 @@ request first fills the prefix cache and compiles; it is not measured):
   (replicas diverge, so its tokens are meaningless; timing only).
 
 Sync checks stay on (:class:`pcppass.checks.SyncChecks` defaults) and each mode records the
-transport its graphs used. Each mode launches its attention kernels for its decode rows per rank
-(:func:`decode_rows`), as its deployment would. After each run every cache is compared bitwise across ranks.
+transport its graphs used. Each mode's engine launches its attention kernels for its decode rows
+per rank (``Engine.decode_rows_per_rank``: ``concurrency`` replicated, ``concurrency / world``
+sharded), as its deployment would. After each run every cache is compared bitwise across ranks.
 """
 
 from __future__ import annotations
@@ -157,24 +158,8 @@ class Progress:
             self.bar.stop()
 
 
-def decode_rows(mode: str, world: int, cfg: ServeBenchConfig) -> int:
-    """Decode rows per rank the mode's deployment launches its kernels for: every request in
-    flight on every rank (replicated), or a ``1 / world`` share of them (sharded)."""
-    return cfg.concurrency if mode == "replicated" else -(-cfg.concurrency // world)
-
-
 def serve_once(mode: str, hit: float, model, runner, rank: int, world: int, cfg: ServeBenchConfig,
                progress: Progress) -> dict[str, Any]:
-    from pcppass.kernels.attention.launch import decode_rows_per_rank
-
-    with decode_rows_per_rank(decode_rows(mode, world, cfg)):
-        entry = _serve_once(mode, hit, model, runner, rank, world, cfg, progress)
-    entry["decode_rows_per_rank"] = decode_rows(mode, world, cfg)
-    return entry
-
-
-def _serve_once(mode: str, hit: float, model, runner, rank: int, world: int, cfg: ServeBenchConfig,
-                progress: Progress) -> dict[str, Any]:
     from pcppass.bench.inputs import caches_equal_across_ranks
     from pcppass.engine.serve import ServingLoop
 
@@ -198,6 +183,7 @@ def _serve_once(mode: str, hit: float, model, runner, rank: int, world: int, cfg
         "mean_decode_step_ms": _mean_ms([s.seconds for s in steps if s.step_kind == "decode"]),
         "mean_mixed_step_ms": _mean_ms([s.seconds for s in steps if s.step_kind == "mixed"]),
         "outputs_digest": _outputs_digest(engine),
+        "decode_rows_per_rank": engine.decode_rows_per_rank,
     }
     sharded = getattr(runner, "sharded", runner)
     entry["sync"] = {kind: {**sync_info.transport(b), "checks": sync_info.checks(b)}

@@ -40,6 +40,7 @@ from pcppass.engine.layout import (
 )
 from pcppass.engine.scheduler import GlobalStep, Scheduler, SchedulerConfig
 from pcppass.engine.workload import RequestSpec
+from pcppass.kernels.attention.launch import decode_rows_per_rank
 from pcppass.runtime.failstop import raise_fail_stop
 
 Runner = Callable[
@@ -238,6 +239,15 @@ class Engine:
         ]
         return plan, locals_
 
+    @property
+    def decode_rows_per_rank(self) -> int:
+        """Decode rows a rank runs when the engine is full (``max_num_seqs`` requests decoding):
+        all of them replicated, a ``1 / world`` share sharded. The attention kernels are launched
+        for it (:func:`pcppass.kernels.attention.launch.decode_rows_per_rank`): a constant of the
+        engine, the same on every rank, so a row's result never depends on the rows of its step."""
+        seqs = self.config.max_num_seqs
+        return seqs if self.policy == "replicated" else -(-seqs // self.world)
+
     def _replicated_writers(self, step: GlobalStep) -> str:
         return "first_rank" if step.step_kind == "mixed" and self.config.mixed_replicated_writer == "first_rank" \
             else "every_rank"
@@ -252,7 +262,8 @@ class Engine:
                 validate_plan(step, plan, locals_, self.groups, self.num_blocks, self.scheduler.kv.is_shared,
                               self._replicated_writers(step))
             local = locals_[self.rank] if self.config.validate else locals_[0]
-            hidden = self.runner(local.input_ids, local.positions, local.meta, self.caches, step.step_kind)
+            with decode_rows_per_rank(self.decode_rows_per_rank):
+                hidden = self.runner(local.input_ids, local.positions, local.meta, self.caches, step.step_kind)
             if hidden.dim() != 2 or hidden.shape[0] != local.num_tokens:
                 raise ValueError(
                     f"runner returned hidden of shape {tuple(hidden.shape)}, expected [{local.num_tokens}, hidden_size]"
