@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from pcppass.bench.environment import environment
 from pcppass.bench.kernels import DATASHEET_HBM, V32, V32Inputs, input_sets, v32_input_set
+from pcppass.bench.results import write
 from pcppass.bench.timing import time_graph
 from pcppass.kernels.attention.select import SELECT_TILES, SelectTiles, select_topk_triton
 from pcppass.kernels.attention.launch import (
@@ -262,11 +261,7 @@ def main() -> int:
             found = f"best {best['us']:.1f} us {best['tiles']} err {best['rel_err']:.1e}" if best else "no shape ran"
             print(f"{kernel} rows={rows} C={context}: default {default}, {found}", flush=True)
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"attention_tiles_{args.tag}.json").write_text(json.dumps(result, indent=1))
-    (out / f"attention_tiles_{args.tag}.md").write_text(markdown(result))
-    print(markdown(result))
+    print(write(args.out, f"attention_tiles_{args.tag}", result, markdown))
     return 0
 
 

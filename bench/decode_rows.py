@@ -16,14 +16,13 @@ replays, median):
   :func:`~pcppass.kernels.attention.launch.decode_rows_per_rank` (the rows) and without it;
 * bf16 GQA and bf16 dense MLA (up to 32 rows: their caches grow with the rows).
 
-Writes ``<out>/decode_rows_<tag>.json`` (device, versions, date, configuration, every time) and
-``.md`` (a table per kernel: µs by rows).
+Writes ``<out>/decode_rows_<tag>.json`` (device, versions, date, configuration, every time),
+``.md`` (µs by kernel and rows) and ``.png`` (the V3.2 kernels' µs by rows, log-log).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +34,7 @@ from attention_tiles import rel_err, time_calls, v32_inputs  # noqa: E402  (the 
 
 from pcppass.bench.environment import environment  # noqa: E402
 from pcppass.bench.kernels import V32, gqa_inputs, mla_inputs  # noqa: E402
+from pcppass.bench.results import pyplot, write  # noqa: E402
 from pcppass.kernels.attention.launch import (  # noqa: E402
     SPARSE_MLA_TILES,
     SPARSE_SPLITS,
@@ -121,6 +121,32 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+PLOTTED = ["topk_one_program", "topk", "sparse_mla_1024", "v32_chain_fixed_split", "v32_chain"]
+
+
+def plot(result: dict, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = sorted(result["rows"], key=int)
+    labels = dict(KERNELS)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in PLOTTED:
+        points = [(int(n), result["rows"][n][key]) for n in rows if isinstance(result["rows"][n].get(key), float)]
+        ax.plot(*zip(*points), marker="o", label=labels[key])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode rows in the step")
+    ax.set_ylabel("µs (CUDA-graph replay, median)")
+    ax.set_title(f"DeepSeek-V3.2 decode kernels by rows, {result['context']} context, "
+                 f"{result['environment'].get('device', '')}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="4,8,16,32,64")
@@ -138,11 +164,7 @@ def main() -> int:
         result["rows"][rows] = entry
         print(rows, {k: round(v, 1) if isinstance(v, float) else v for k, v in entry.items()
                      if not k.endswith("rel_err")}, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode_rows_{args.tag}.json").write_text(json.dumps(result, indent=1))
-    (out / f"decode_rows_{args.tag}.md").write_text(markdown(result))
-    print(markdown(result))
+    print(write(args.out, f"decode_rows_{args.tag}", result, markdown, plot))
     return 0
 
 
