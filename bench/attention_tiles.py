@@ -43,7 +43,7 @@ from pcppass.kernels.attention.launch import (
 )
 
 DIM, TOPK = V32.dim, V32.topk
-KERNELS = ("indexer", "sparse_mla", "topk_select", "gqa_bf16", "gqa_fp8", "mla_bf16", "mla_fp8_ds_mla")
+KERNELS = ("indexer", "sparse_mla", "topk_select", "topk_parts", "gqa_bf16", "gqa_fp8", "mla_bf16", "mla_fp8_ds_mla")
 
 
 def indexer_grid() -> list[IndexerTiles]:
@@ -118,6 +118,15 @@ def run_sparse_mla(tiles: MlaTiles, s: V32Inputs) -> torch.Tensor:
 def select_grid() -> list[SelectTiles]:
     shapes = [SelectTiles(chunk=chunk, warps=warps, sample=sample)
               for chunk, warps, sample in itertools.product((1024, 2048, 4096), (4, 8, 16), (1024, 2048, 4096))]
+    return [SELECT_TILES] + [s for s in shapes if s != SELECT_TILES]
+
+
+def select_parts_grid() -> list[SelectTiles]:
+    """The top-k with a row's candidates found by parts (calls of few rows): part length,
+    candidate chunk, warps and sample."""
+    shapes = [SelectTiles(warps=warps, sample=sample, candidate_chunk=cand, part=part)
+              for part, cand, warps, sample in itertools.product((2048, 4096, 8192), (1024, 2048, 4096), (4, 8),
+                                                                 (1024, 2048))]
     return [SELECT_TILES] + [s for s in shapes if s != SELECT_TILES]
 
 
@@ -226,7 +235,8 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="h200")
     parser.add_argument("--v32", default="indexer,sparse_mla,topk_select",
-                        help="which V3.2 kernels to sweep (comma list; empty: none)")
+                        help="which V3.2 kernels to sweep (comma list of indexer, sparse_mla, topk_select, "
+                             "topk_parts; empty: none)")
     parser.add_argument("--dense", default="", help="also these of gqa_bf16, gqa_fp8, mla_bf16, mla_fp8_ds_mla "
                                                     "(comma list)")
     parser.add_argument("--splits", default="", help="also time the dense kernels' default shapes at these "
@@ -238,11 +248,12 @@ def main() -> int:
         sets = v32_inputs(rows, context) if v32 else []
         shape = {"rows": rows, "context": context, "input_sets": len(sets),
                  "floor_bytes": {"indexer": rows * context * (DIM + 4) + rows * context * 4,
-                                 "topk_select": rows * context * 4,
+                                 "topk_select": rows * context * 4, "topk_parts": rows * context * 4,
                                  "sparse_mla": rows * min(TOPK, context) * V32.latent_row_bytes},
                  **{name: sweep(grid(), run, sets, args.reps) for name, grid, run in (
                      ("indexer", indexer_grid, run_indexer), ("sparse_mla", mla_grid, run_sparse_mla),
-                     ("topk_select", select_grid, run_select)) if name in v32}}
+                     ("topk_select", select_grid, run_select), ("topk_parts", select_parts_grid, run_select))
+                    if name in v32}}
         del sets
         torch.cuda.empty_cache()
         if args.dense:
