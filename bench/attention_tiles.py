@@ -53,8 +53,8 @@ def indexer_grid() -> list[IndexerTiles]:
 
 
 def mla_grid() -> list[MlaTiles]:
-    shapes = [MlaTiles(heads=64, bn=32, warps=8, stages=stages, sparse_split=split, table_in_registers=regs)
-              for stages, split, regs in itertools.product((2, 3, 4), (512, 1024), (False, True))]
+    shapes = [MlaTiles(heads=64, bn=32, warps=8, stages=stages, sparse_split=split, dequant_tile=dequant)
+              for stages, split, dequant in itertools.product((2, 3, 4), (256, 512, 1024), (False, True))]
     return [SPARSE_MLA_TILES] + [s for s in shapes if s != SPARSE_MLA_TILES]
 
 
@@ -145,6 +145,8 @@ def dense_mla_grid(ds_mla: bool) -> list[MlaTiles]:
     if ds_mla:
         shapes = [MlaTiles(bn=bn, warps=4, stages=stages, separate_loads=separate)
                   for bn, stages, separate in itertools.product((32, 64), (2, 3), (False, True))]
+        shapes += [MlaTiles(bn=bn, warps=warps, stages=stages, dequant_tile=True)
+                   for bn, warps, stages in itertools.product((32, 64), (4, 8), (2, 3))]
     else:
         shapes = [MlaTiles(bn=bn, warps=4, stages=stages, table_in_registers=regs)
                   for bn, stages, regs in itertools.product((32, 64), (2, 3, 4), (False, True))]

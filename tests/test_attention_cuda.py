@@ -149,6 +149,31 @@ def test_sparse_mla_split_for_the_deployments_rows(rows_per_rank):
     assert torch.equal(alone, out[:1])
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_fp8_ds_mla_dequantized_tiles(sparse):
+    """fp8_ds_mla rows dequantised whole (``MlaTiles.dequant_tile``: one scores dot and one values
+    dot per key tile) match the reference, dense (16 heads) and sparse (128 heads, 2048 picks)."""
+    from dataclasses import replace
+
+    from pcppass.kernels.attention.launch import MLA_FP8_TILES, SPARSE_MLA_TILES, mla_attention
+
+    step = make_step([(1, 2900 + 301 * i) for i in range(6)], 0, 64, 80, device="cuda")
+    t, heads = step.rows.positions.shape[0], 128 if sparse else 16
+    picked = None
+    if sparse:
+        g = torch.Generator(device="cuda").manual_seed(7)
+        picked = torch.stack([torch.randperm(int(p) + 1, device="cuda", generator=g)[:2048].sort().values
+                              for p in step.rows.positions])
+    cache = mla_cache(step, 512, 64, True, device="cuda")
+    q_lat = torch.randn(t, heads, 512, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(t, heads, 64, device="cuda", dtype=torch.bfloat16)
+    tiles = replace(SPARSE_MLA_TILES if sparse else MLA_FP8_TILES, dequant_tile=True)
+    out = mla_attention(q_lat, q_pe, cache, step.rows, 0.07, True, picked, tiles=tiles)
+    err = rel_err(out, reference_mla(step, q_lat, q_pe, cache, 0.07, 512, True, picked), step.live)
+    print(f"{'sparse' if sparse else 'dense'} fp8_ds_mla, dequantised tiles: error {err:.1e}")
+    assert err < BF16_TOL
+
+
 def test_rows_do_not_depend_on_their_step_and_graph_replays_match():
     """Row 0 alone and among 63 other rows: the same bytes (fixed split sizes); a captured CUDA
     graph's replay gives the eager bytes."""

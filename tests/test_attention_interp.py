@@ -108,6 +108,34 @@ def test_mla_matches_reference(mode, table_in_registers, ds_mla, sparse):
     close(out, reference_mla(step, q_lat, q_pe, cache, 0.1, latent, ds_mla, index), step.live)
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_mla_dequantized_tiles_match_reference(mode, sparse, monkeypatch):
+    """fp8_ds_mla rows dequantised whole (each code times its own 128-dim tile's scale, one scores
+    dot and one values dot) in every mode; 256 latent dims, so two tiles with their own scales."""
+    from dataclasses import replace
+
+    from pcppass.kernels.attention import launch
+    from pcppass.kernels.attention.launch import mla_attention
+
+    for name in ("MLA_FP8_TILES", "MLA_PREFILL_TILES", "SPARSE_MLA_TILES"):
+        monkeypatch.setattr(launch, name, replace(getattr(launch, name), dequant_tile=True))
+    latent, rope = 256, 8
+    step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
+    cache = mla_cache(step, latent, rope, True)
+    g = torch.Generator().manual_seed(5)
+    t = step.rows.positions.shape[0]
+    q_lat, q_pe = torch.randn(t, 4, latent, generator=g), torch.randn(t, 4, rope, generator=g)
+    index = None
+    if sparse:
+        index = torch.full((t, 6), -1, dtype=torch.int64)
+        for row, p in enumerate(step.rows.positions.tolist()):
+            picks = torch.randperm(p + 1, generator=g)[:6]
+            index[row, : picks.numel()] = picks
+        index[step.rows.is_padding] = -1
+    out = mla_attention(q_lat, q_pe, cache, step.rows, 0.1, True, index)
+    close(out, reference_mla(step, q_lat, q_pe, cache, 0.1, latent, True, index), step.live)
+
+
 @pytest.fixture(params=[False, True], ids=["table_loads", "table_in_registers"])
 def table_in_registers(request, mode, monkeypatch):
     """Per-row splits with the block table loaded per key tile, or held in registers."""

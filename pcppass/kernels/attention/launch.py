@@ -82,6 +82,7 @@ class MlaTiles:
     sparse_split: int = 1024  # sparse rows only
     table_in_registers: bool = True  # per-row splits: see triton_kernels.split_blocks
     separate_loads: bool = False  # dense fp8_ds_mla rows: see triton_kernels.latent_scores
+    dequant_tile: bool = False  # fp8_ds_mla rows: see triton_kernels.dequantized_latent
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -90,8 +91,10 @@ class MlaTiles:
 #: in registers (every shape's default) measured faster for every kernel but fp8_ds_mla dense
 #: MLA, which they leave as it was (attention_tiles_table_regs_h200.*,
 #: attention_tiles_indexer_regs_h200.*); fp8_ds_mla dense MLA gains from separate loads instead
-#: (attention_tiles_ds_mla_loads_h200.*). Prefill tiles (several rows per program, which load
-#: their block ids) keep the shapes they were written with.
+#: (attention_tiles_ds_mla_loads_h200.*). Sparse MLA dequantises each key tile whole (146 against
+#: 173 µs at 32 rows, 47 against 54 at 8 with 256 picks per split; dense fp8_ds_mla MLA 625
+#: against 526, so it keeps separate loads: attention_tiles_dequant_{sparse,dense}_h200.*). Prefill tiles (several rows per program, which
+#: load their block ids) keep the shapes they were written with.
 GQA_TILES = GqaTiles(bn=64, stages=2)
 GQA_FP8_TILES = GqaTiles(bn=128, stages=3, f16_dots=True)
 GQA_PREFILL_TILES = GqaTiles()
@@ -99,7 +102,7 @@ INDEXER_TILES = IndexerTiles()
 MLA_TILES = MlaTiles(bn=64, stages=2)
 MLA_FP8_TILES = MlaTiles(bn=32, stages=3, separate_loads=True)
 MLA_PREFILL_TILES = MlaTiles()
-SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3)
+SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, dequant_tile=True)
 
 
 #: picks per split of a sparse MLA row that :func:`sparse_split_for` chooses from, largest first
@@ -384,7 +387,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             NBLK=(_table_row_in_registers(rows.tables, schedule, split) if sparse
                   else _split_blocks(schedule.row_mode, split, bs))
             if tiles.table_in_registers else 0,
-            SEPARATE_LOADS=ds_mla and not sparse and tiles.separate_loads,
+            SEPARATE_LOADS=ds_mla and not sparse and tiles.separate_loads and not tiles.dequant_tile,
+            DEQUANT=ds_mla and tiles.dequant_tile,
             num_warps=tiles.warps or (8 if bm * group >= 32 else 4), num_stages=tiles.stages,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)

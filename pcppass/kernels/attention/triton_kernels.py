@@ -261,6 +261,20 @@ def latent_tile(CACHE, SCALES, base, jm, c: tl.constexpr, L: tl.constexpr, TL: t
 
 
 @triton.jit
+def dequantized_latent(CACHE, SCALES, base, jm, L: tl.constexpr, TL: tl.constexpr, DTYPE: tl.constexpr):
+    """The ``L`` latent dims of ``BN`` fp8_ds_mla cache rows, each code times its tile's scale, in
+    ``DTYPE``: one tile for one scores dot and one values dot (instead of a dot per 128-dim tile,
+    the scale applied to the scores and the probabilities)."""
+    NT: tl.constexpr = L // TL
+    BN: tl.constexpr = base.shape[0]
+    d = tl.arange(0, L)
+    codes = tl.load(CACHE + base[:, None] + d[None, :], mask=jm[:, None], other=0)
+    scale = tl.load(SCALES + (base // 4 + L // 4)[:, None] + tl.arange(0, NT)[None, :], mask=jm[:, None], other=0.0)
+    values = tl.reshape(e4m3(codes, tl.float32), [BN, NT, TL]) * scale[:, :, None]
+    return tl.reshape(values, [BN, L]).to(DTYPE)
+
+
+@triton.jit
 def latent_scores(q, kv, scale, CACHE, base, jm, c: tl.constexpr, TL: tl.constexpr, DS_MLA: tl.constexpr,
                   IEEE: tl.constexpr, SEPARATE_LOADS: tl.constexpr):
     """``q_tile . kv_tile`` per (query, key), times each key's tile scale. ``SEPARATE_LOADS``
@@ -294,7 +308,7 @@ def mla_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, SPLIT: tl.constexpr, ROW_MODE: tl.constexpr,
     DS_MLA: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, NBLK: tl.constexpr,
-    SEPARATE_LOADS: tl.constexpr,
+    SEPARATE_LOADS: tl.constexpr, DEQUANT: tl.constexpr = False,
 ):
     """MLA attention in the latent space over a paged latent cache; program (tile, head block, split).
 
@@ -309,6 +323,10 @@ def mla_kernel(
     (``SCALES`` / ``ROPE``: the same bytes as float32 / bf16; strides in bytes).
     ``NBLK > 0`` (per-row splits): block ids come from registers (:func:`split_blocks`); sparse
     rows hold their whole block-table row (``table_cols`` entries) and their split's picks there.
+    ``DEQUANT`` (fp8_ds_mla): each key tile's codes are dequantised whole, times their scales, into
+    one tile of the query's dtype (:func:`dequantized_latent`), so the scores are one latent dot and
+    the values one dot, where per 128-dim tile they are a dot each (on Hopper every dot is waited
+    for before the next starts).
     """
     TL: tl.constexpr = L if L < 128 else 128
     NT: tl.constexpr = L // TL
@@ -331,6 +349,10 @@ def mla_kernel(
             q3 = tl.load(q_at + 3 * TL, mask=live[:, None], other=0.0)
             acc2 = tl.full([M, TL], 0.0, tl.float32)
             acc3 = tl.full([M, TL], 0.0, tl.float32)
+        if DEQUANT:
+            q_lat = tl.load(Q_LAT + row[:, None] * stride_qt + head[:, None] * stride_qh + tl.arange(0, L)[None, :],
+                            mask=live[:, None], other=0.0)
+            acc = tl.full([M, L], 0.0, tl.float32)
         q_pe = tl.load(Q_PE + row[:, None] * stride_pt + head[:, None] * stride_ph + rot[None, :],
                        mask=live[:, None] & (rot < R)[None, :], other=0.0)
         lo = split * SPLIT
@@ -367,16 +389,20 @@ def mla_kernel(
             else:
                 block = key_blocks(table, blocks, j, jm, lo, BLOCK_SIZE, NBLK)
             base = block * stride_b + (safe_key % BLOCK_SIZE).to(tl.int64) * stride_s
-            kv0, sc0 = latent_tile(CACHE, SCALES, base, jm, 0, L, TL, DS_MLA, q0.dtype)
-            s = latent_scores(q0, kv0, sc0, CACHE, base, jm, 0, TL, DS_MLA, IEEE, SEPARATE_LOADS)
-            if NT > 1:
-                kv1, sc1 = latent_tile(CACHE, SCALES, base, jm, 1, L, TL, DS_MLA, q0.dtype)
-                s += latent_scores(q1, kv1, sc1, CACHE, base, jm, 1, TL, DS_MLA, IEEE, SEPARATE_LOADS)
-            if NT > 2:
-                kv2, sc2 = latent_tile(CACHE, SCALES, base, jm, 2, L, TL, DS_MLA, q0.dtype)
-                kv3, sc3 = latent_tile(CACHE, SCALES, base, jm, 3, L, TL, DS_MLA, q0.dtype)
-                s += latent_scores(q2, kv2, sc2, CACHE, base, jm, 2, TL, DS_MLA, IEEE, SEPARATE_LOADS)
-                s += latent_scores(q3, kv3, sc3, CACHE, base, jm, 3, TL, DS_MLA, IEEE, SEPARATE_LOADS)
+            if DEQUANT:
+                kv = dequantized_latent(CACHE, SCALES, base, jm, L, TL, q0.dtype)
+                s = fdot(q_lat, tl.trans(kv), IEEE)
+            else:
+                kv0, sc0 = latent_tile(CACHE, SCALES, base, jm, 0, L, TL, DS_MLA, q0.dtype)
+                s = latent_scores(q0, kv0, sc0, CACHE, base, jm, 0, TL, DS_MLA, IEEE, SEPARATE_LOADS)
+                if NT > 1:
+                    kv1, sc1 = latent_tile(CACHE, SCALES, base, jm, 1, L, TL, DS_MLA, q0.dtype)
+                    s += latent_scores(q1, kv1, sc1, CACHE, base, jm, 1, TL, DS_MLA, IEEE, SEPARATE_LOADS)
+                if NT > 2:
+                    kv2, sc2 = latent_tile(CACHE, SCALES, base, jm, 2, L, TL, DS_MLA, q0.dtype)
+                    kv3, sc3 = latent_tile(CACHE, SCALES, base, jm, 3, L, TL, DS_MLA, q0.dtype)
+                    s += latent_scores(q2, kv2, sc2, CACHE, base, jm, 2, TL, DS_MLA, IEEE, SEPARATE_LOADS)
+                    s += latent_scores(q3, kv3, sc3, CACHE, base, jm, 3, TL, DS_MLA, IEEE, SEPARATE_LOADS)
             if DS_MLA:
                 pe_at = ROPE + (base // 2)[:, None] + ((L + 4 * NT) // 2 + rot)[None, :]
             else:
@@ -385,22 +411,29 @@ def mla_kernel(
             s = (s + fdot(q_pe, tl.trans(pe), IEEE)) * qk_scale
             s = tl.where(visible, s, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
-            acc0 = latent_values(acc0, alpha, p, kv0, sc0, DS_MLA, IEEE)
+            if DEQUANT:
+                acc = acc * alpha[:, None] + fdot(p.to(kv.dtype), kv, IEEE)
+            else:
+                acc0 = latent_values(acc0, alpha, p, kv0, sc0, DS_MLA, IEEE)
+                if NT > 1:
+                    acc1 = latent_values(acc1, alpha, p, kv1, sc1, DS_MLA, IEEE)
+                if NT > 2:
+                    acc2 = latent_values(acc2, alpha, p, kv2, sc2, DS_MLA, IEEE)
+                    acc3 = latent_values(acc3, alpha, p, kv3, sc3, DS_MLA, IEEE)
+        if DEQUANT:
+            store_result(acc, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                         stride_ot, stride_oh, live, 0, L, L, DIRECT, True)
+        else:
+            store_result(acc0, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                         stride_ot, stride_oh, live, 0, TL, L, DIRECT, True)
             if NT > 1:
-                acc1 = latent_values(acc1, alpha, p, kv1, sc1, DS_MLA, IEEE)
+                store_result(acc1, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                             stride_ot, stride_oh, live, TL, TL, L, DIRECT, False)
             if NT > 2:
-                acc2 = latent_values(acc2, alpha, p, kv2, sc2, DS_MLA, IEEE)
-                acc3 = latent_values(acc3, alpha, p, kv3, sc3, DS_MLA, IEEE)
-        store_result(acc0, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
-                     stride_ot, stride_oh, live, 0, TL, L, DIRECT, True)
-        if NT > 1:
-            store_result(acc1, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
-                         stride_ot, stride_oh, live, TL, TL, L, DIRECT, False)
-        if NT > 2:
-            store_result(acc2, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
-                         stride_ot, stride_oh, live, 2 * TL, TL, L, DIRECT, False)
-            store_result(acc3, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
-                         stride_ot, stride_oh, live, 3 * TL, TL, L, DIRECT, False)
+                store_result(acc2, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                             stride_ot, stride_oh, live, 2 * TL, TL, L, DIRECT, False)
+                store_result(acc3, m_i, l_i, OUT, PART_O, PART_ML, row, head, split, num_splits, num_heads,
+                             stride_ot, stride_oh, live, 3 * TL, TL, L, DIRECT, False)
 
 
 @triton.jit
