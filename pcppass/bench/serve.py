@@ -4,7 +4,10 @@ The workload (:func:`workload`) has the shape of the benchmark behind vLLM's dec
 (long prompts sharing a prefix at a target hit rate, fixed output length, a client with a
 concurrency limit, chunked prefill under ``max_num_batched_tokens``), scaled to the machine. For
 each hit rate, every mode serves the same requests in the same order on fresh caches (a warm-up
-request first fills the prefix cache and compiles; it is not measured):
+request first fills the prefix cache and compiles; it is not measured), ``repeats`` rounds of it with
+the modes' order rotated by one each round (:func:`mode_order`), so that no mode always runs first or
+last and the report can show medians, ranges and whether a mode's sign against replicated holds in
+every round (one run per mode was noisier than the differences between modes):
 
 * ``replicated``: PCP as vLLM runs it without decode sharding: prefills partitioned over the ranks
   (DualChunkSwap) and synchronised per write site; decode rows run on every rank, with no sync
@@ -19,7 +22,9 @@ request first fills the prefix cache and compiles; it is not measured):
 Sync checks stay on (:class:`pcppass.checks.SyncChecks` defaults) and each mode records the
 transport its graphs used. Each mode's engine launches its attention kernels for its decode rows
 per rank (``Engine.decode_rows_per_rank``: ``concurrency`` replicated, ``concurrency / world``
-sharded), as its deployment would. After each run every cache is compared bitwise across ranks.
+sharded), as its deployment would. On CUDA (unless ``cuda_graphs`` is off) each engine captures its
+decode steps in CUDA graphs before its warm-up request (``Engine.capture_decode_graphs``), so the
+decode steps measure less of the host. After each run every cache is compared bitwise across ranks.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import math
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -63,6 +68,31 @@ class ServeBenchConfig:
     out: str = "bench/results"
     tag: str = ""
     timeout_s: float = 580.0
+    #: rounds per hit rate; each round runs every mode once, in the order :func:`mode_order` gives
+    repeats: int = 3
+    #: capture each engine's decode steps in CUDA graphs (cuda only; ignored on cpu)
+    cuda_graphs: bool = True
+
+    @property
+    def captures_decode_graphs(self) -> bool:
+        return self.device == "cuda" and self.cuda_graphs
+
+
+def mode_order(modes: Sequence[str], round_index: int) -> tuple[str, ...]:
+    """The modes of round ``round_index``: ``modes`` rotated left by the round, so over ``len(modes)``
+    rounds every mode runs once in every position (a mode that always ran first, on a cold process,
+    or last, after the others' allocations, would carry that bias in every number)."""
+    k = round_index % len(modes) if modes else 0
+    return tuple(modes[k:]) + tuple(modes[:k])
+
+
+def run_order(cfg: ServeBenchConfig) -> Iterator[tuple[float, int, int, str]]:
+    """(hit rate, round, position in the round, mode) in the order the bench runs them: the rounds of
+    one hit rate back to back, so the runs compared with each other are close in time."""
+    for hit in cfg.hit_rates:
+        for round_index in range(cfg.repeats):
+            for position, mode in enumerate(mode_order(cfg.modes, round_index)):
+                yield hit, round_index, position, mode
 
 
 def workload(cfg: ServeBenchConfig, hit_rate: float, block_size: int, vocab: int) -> tuple[RequestSpec, list[RequestSpec]]:
@@ -159,7 +189,7 @@ class Progress:
 
 
 def serve_once(mode: str, hit: float, model, runner, rank: int, world: int, cfg: ServeBenchConfig,
-               progress: Progress) -> dict[str, Any]:
+               progress: Progress, label: str = "") -> dict[str, Any]:
     from pcppass.bench.inputs import caches_equal_across_ranks
     from pcppass.engine.serve import ServingLoop
 
@@ -167,10 +197,11 @@ def serve_once(mode: str, hit: float, model, runner, rank: int, world: int, cfg:
     warm, requests = workload(cfg, hit, block_size, model.embed_tokens.num_embeddings)
     t0 = time.time()
     engine = build_engine(mode, model, runner, rank, world, cfg)
+    capture_s, graph_sizes = _capture_decode_graphs(engine, cfg)
     ServingLoop(engine, [warm], 1).run()  # fills the prefix cache; compiles on first use
     warm_s = time.time() - t0
     loop = ServingLoop(engine, requests, cfg.concurrency,
-                       on_step=progress.task(f"{mode:>10} hit {hit:.0%}", len(requests)))
+                       on_step=progress.task(f"{mode:>10} hit {hit:.0%}{label}", len(requests)))
     if cfg.device == "cuda":
         torch.cuda.synchronize()
     run = loop.run()
@@ -178,6 +209,7 @@ def serve_once(mode: str, hit: float, model, runner, rank: int, world: int, cfg:
     steps = [s for s in run.steps]
     entry = {
         "mode": mode, "hit_rate_target": hit, "warmup_s": round(warm_s, 1), **run.metrics(),
+        "cuda_graphs": cfg.captures_decode_graphs, "capture_s": capture_s, "decode_graph_sizes": graph_sizes,
         "replicas_equal": all(equal.values()), "differing_caches": [k for k, ok in equal.items() if not ok],
         "submitted": run.submitted, "admitted": run.admitted,
         "mean_decode_step_ms": _mean_ms([s.seconds for s in steps if s.step_kind == "decode"]),
@@ -194,6 +226,17 @@ def serve_once(mode: str, hit: float, model, runner, rank: int, world: int, cfg:
     if cfg.device == "cuda":
         torch.cuda.empty_cache()
     return entry
+
+
+def _capture_decode_graphs(engine, cfg: ServeBenchConfig) -> tuple[float | None, list[int] | None]:
+    """Capture the engine's decode steps in CUDA graphs where the config asks for it (before the
+    warm-up request, so the warm-up's decode steps already replay): (seconds taken, the captured
+    sizes the engine reports), (None, None) if not."""
+    if not cfg.captures_decode_graphs:
+        return None, None
+    t0 = time.time()
+    sizes = engine.capture_decode_graphs()
+    return round(time.time() - t0, 1), list(sizes) if sizes is not None else None
 
 
 def _mean_ms(seconds: list[float]) -> float | None:
@@ -222,21 +265,23 @@ def serve_rank(rank: int, world: int, cfg: ServeBenchConfig) -> dict:
     name = f"serve_{cfg.tag}"
     try:
         with rows_cuda.kernels_enabled(cfg.device == "cuda"), checks.value_checks(cfg.device != "cuda"):
-            for hit in cfg.hit_rates:
-                for mode in cfg.modes:
-                    try:
-                        result["runs"].append(serve_once(mode, hit, model, runners[mode], rank, world, cfg, progress))
-                        run = result["runs"][-1]
-                        progress.log(f"{mode} hit {hit:.0%}: {run['request_throughput']:.3f} req/s, "
-                                     f"TPOT {run.get('mean_tpot_ms', float('nan')):.2f} ms, "
-                                     f"TTFT {run.get('mean_ttft_ms', float('nan')):.0f} ms, "
-                                     f"replicas equal {run['replicas_equal']}")
-                    except Exception:
-                        result["errors"].append({"mode": mode, "hit_rate": hit, "traceback": traceback.format_exc()[-3000:]})
-                        progress.log(result["errors"][-1]["traceback"])
-                        raise
-                    if rank == 0:
-                        save_partial(cfg.out, name, result)
+            for hit, round_index, position, mode in run_order(cfg):
+                label = f" round {round_index + 1}/{cfg.repeats}"
+                try:
+                    run = serve_once(mode, hit, model, runners[mode], rank, world, cfg, progress, label)
+                    run.update(repeat=round_index, order_position=position)
+                    result["runs"].append(run)
+                    progress.log(f"{mode} hit {hit:.0%}{label}: {run['request_throughput']:.3f} req/s, "
+                                 f"TPOT {run.get('mean_tpot_ms', float('nan')):.2f} ms, "
+                                 f"TTFT {run.get('mean_ttft_ms', float('nan')):.0f} ms, "
+                                 f"replicas equal {run['replicas_equal']}")
+                except Exception:
+                    result["errors"].append({"mode": mode, "hit_rate": hit, "repeat": round_index,
+                                             "traceback": traceback.format_exc()[-3000:]})
+                    progress.log(result["errors"][-1]["traceback"])
+                    raise
+                if rank == 0:
+                    save_partial(cfg.out, name, result)
     finally:
         progress.stop()
     return result

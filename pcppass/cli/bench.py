@@ -107,6 +107,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "32768 for 128k prompts)")
     s.add_argument("--inner", choices=("inductor", "aot_eager", "eager"), help="default: inductor on cuda, eager on cpu")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--repeats", type=int,
+                   help="rounds per hit rate, every mode once per round in an order rotated each round "
+                        "(cuda 3, cpu 1)")
+    s.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="do not capture the engine's decode steps in CUDA graphs (cuda only)")
     s.add_argument("--no-progress", dest="progress", action="store_false")
     _common(s, 580.0)
     s.set_defaults(func=main_serve)
@@ -163,7 +168,7 @@ def main_kernels(args: argparse.Namespace) -> int:
 
 #: (cuda, cpu) defaults of ``pcppass bench serve``
 SERVE_DEFAULTS = {"size": ("full", "tiny"), "requests": (64, 6), "concurrency": (32, 3), "prompt_len": (16384, 40),
-                  "output_len": (128, 4), "inner": ("inductor", "eager")}
+                  "output_len": (128, 4), "inner": ("inductor", "eager"), "repeats": (3, 1)}
 
 
 def main_serve(args: argparse.Namespace) -> int:
@@ -178,6 +183,8 @@ def main_serve(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in serve.MODES]
     if bad:
         raise SystemExit(f"pcppass bench serve: unknown mode(s) {bad}; choose from {serve.MODES}")
+    if opts["repeats"] < 1:
+        raise SystemExit(f"pcppass bench serve: --repeats must be at least 1, got {opts['repeats']}")
     if not on_cpu:
         _need_gpus(args.world)
         keep_multicast_off()
@@ -188,6 +195,7 @@ def main_serve(args: argparse.Namespace) -> int:
         concurrency=opts["concurrency"], prompt_len=opts["prompt_len"], output_len=opts["output_len"],
         max_num_batched_tokens=args.max_num_batched_tokens or max(16, opts["prompt_len"] // 4), inner=opts["inner"],
         seed=args.seed, progress=args.progress, out=args.out, tag=tag, timeout_s=args.timeout,
+        repeats=opts["repeats"], cuda_graphs=args.cuda_graphs,
     )
     results = launch(serve.serve_rank, cfg.world, cfg, backend="gloo" if on_cpu else "nccl", timeout_s=cfg.timeout_s)
     result = serve_report.summarise(results)
