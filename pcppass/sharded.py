@@ -35,9 +35,8 @@ import torch
 import torch.distributed as dist
 
 from pcppass.compiler import Inner, OnUncovered, PcpBackend, SyncChecks
-from pcppass.engine.layout import LayoutPlan, Policy, build_local_step
+from pcppass.engine.layout import Policy, padding_step
 from pcppass.engine.runner import Engine
-from pcppass.engine.scheduler import GlobalStep
 from pcppass.errors import PcpError, PcpSyncError
 from pcppass.rewrite.insert import Schedule
 from pcppass.runtime.failstop import group_rank, raise_fail_stop
@@ -214,11 +213,8 @@ class ShardedRunner:
         Nothing is written (every slot is -1) and the engine's caches are not touched, so the
         coverage decision is known before the first real step chooses its layout.
         """
-        step = GlobalStep(index=-1, rows=())
-        plan = LayoutPlan(world=engine.world, segments=((),) * engine.world, owners=(),
-                          padded_tokens=WARMUP_ROWS, restore_index=())
-        local = build_local_step(step, plan, engine.rank, engine.groups, engine.table_columns,
-                                 engine.device)
+        local = padding_step(WARMUP_ROWS, engine.rank, engine.world, engine.groups, engine.table_columns,
+                             engine.device)
         # allocated like the engine's caches: the backend picks the sync transport from them
         alloc = engine.config.cache_allocator
         scratch = {name: alloc(t.shape, t.dtype, t.device) if alloc else torch.zeros_like(t)

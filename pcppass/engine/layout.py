@@ -15,7 +15,7 @@ Which rank runs what (:func:`plan_layout`):
 
 A rank's segments run decodes first, then prefills by row and chunk start. Every rank pads to the
 same token count ``T`` (the largest rank's count, at least 2, rounded up to a bucket when buckets
-are given): padding rows have input id 0, position 0, slot -1 in every group, ``token_to_req`` 0.
+are given; a decode-only step that fits a captured CUDA graph, up to that graph's size): padding rows have input id 0, position 0, slot -1 in every group, ``token_to_req`` 0.
 After the step the local hidden rows are all-gathered (rank-major, ``P * T`` rows) and
 ``restore_index`` puts them back in global token order, taking a replicated row from rank 0::
 
@@ -99,6 +99,12 @@ def pad_size(n: int, buckets: Sequence[int] | None) -> int:
     return buckets[i]
 
 
+def graph_size(n: int, graph_sizes: Sequence[int]) -> int | None:
+    """The smallest of the (sorted) CUDA-graph sizes that holds ``n`` local tokens, or None."""
+    i = bisect.bisect_left(graph_sizes, max(n, MIN_LOCAL_TOKENS))
+    return graph_sizes[i] if i < len(graph_sizes) else None
+
+
 def plan_layout(
     step: GlobalStep,
     world: int,
@@ -106,7 +112,10 @@ def plan_layout(
     *,
     partition_prefill: bool = True,
     buckets: Sequence[int] | None = None,
+    graph_sizes: Sequence[int] = (),
 ) -> LayoutPlan:
+    """``graph_sizes`` (sorted): a decode-only step is padded to the smallest that holds its
+    largest rank's tokens (a CUDA graph of that size replays it); past the largest, as without."""
     if policy not in POLICIES:
         raise ValueError(f"unknown ownership policy {policy!r}; expected one of {POLICIES}")
     per_rank: list[list[Segment]] = [[] for _ in range(world)]
@@ -140,7 +149,9 @@ def plan_layout(
     kind_rank = {"decode": 0, "prefill": 1}
     for segs in per_rank:
         segs.sort(key=lambda s: (kind_rank[step.rows[s.row].kind], s.row, s.start))
-    padded = pad_size(max(sum(s.num_tokens for s in segs) for segs in per_rank), buckets)
+    largest = max(sum(s.num_tokens for s in segs) for segs in per_rank)
+    padded = (graph_size(largest, graph_sizes) if graph_sizes and step.step_kind == "decode" else None) \
+        or pad_size(largest, buckets)
 
     offsets = step.row_offsets()
     restore = [-1] * step.num_tokens
@@ -177,6 +188,22 @@ class LocalStep:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> "LocalStep":
+        """The same step with its tensors on ``device`` (itself when they are there already)."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        return LocalStep(self.rank, self.input_ids.to(device), self.positions.to(device),
+                         {k: v.to(device) for k, v in self.meta.items()}, self.global_index, self.num_real_tokens)
+
+
+def padding_step(num_tokens: int, rank: int, world: int, groups: Sequence[CacheGroupSpec],
+                 table_columns: Callable[[str], int], device: torch.device | str = "cpu") -> LocalStep:
+    """A local step of ``num_tokens`` padding rows: every slot -1, so running it writes nothing
+    (compiling and capturing a step on it leaves every cache as it was)."""
+    plan = LayoutPlan(world=world, segments=((),) * world, owners=(), padded_tokens=num_tokens, restore_index=())
+    return build_local_step(GlobalStep(index=-1, rows=()), plan, rank, groups, table_columns, device)
 
 
 def build_local_step(

@@ -3,9 +3,10 @@
 One step on rank ``r`` of ``P``::
 
     global step (scheduler, identical on every rank)
-      -> plan_layout + build_local_step(r)          rows this rank runs, padded to T
+      -> plan_layout + build_local_step(r)          rows this rank runs, padded to T, on the host
       -> validate_plan (all ranks' writes)          PlanError before anything runs
       -> runner(input_ids, positions, meta, caches, step_kind) -> hidden [T, H]
+                                                    this rank's step, copied to the device
       -> all_gather(hidden) [P*T, H] (P > 1)        the step's only collective from the engine
       -> [restore_index]                            global token order
       -> model.compute_logits(sampled rows)         same rows, same values on every rank
@@ -17,7 +18,8 @@ A runner is any callable ``runner(input_ids, positions, meta, caches, step_kind)
 ``torch.compile`` with the row dim marked dynamic. A decode-sharding runner plugs in the same way:
 it receives only this rank's rows and must leave every cache bitwise identical on all ranks when
 it returns (synchronising the rows other ranks wrote); it may compile ``"decode"`` and ``"mixed"``
-steps differently.
+steps differently. :meth:`Engine.capture_decode_graphs` wraps the runner so that decode steps
+replay from CUDA graphs (:mod:`pcppass.engine.graphs`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import torch
 import torch.distributed as dist
 
 from pcppass.engine.contract import CacheGroupSpec, CacheSpec, StepKind
+from pcppass.engine.graphs import CudaGraphRunner, decode_graph_sizes
 from pcppass.engine.layout import (
     LayoutPlan,
     LocalStep,
     Policy,
     build_local_step,
+    padding_step,
     plan_layout,
     validate_plan,
 )
@@ -191,6 +195,30 @@ class Engine:
             for spec in self.cache_specs
         }
         self.step_log: list[StepRecord] = []
+        #: local token counts whose decode steps replay from CUDA graphs (capture_decode_graphs)
+        self.graph_sizes: tuple[int, ...] = ()
+
+    # -- CUDA graphs ---------------------------------------------------------------------------
+    def capture_decode_graphs(self, sizes: Sequence[int] | None = None, *, eager_every: int = 64) -> tuple[int, ...]:
+        """Capture decode steps of each local token count in ``sizes`` (default: 2, 4, 8, then
+        multiples of 8 up to :attr:`decode_rows_per_rank` times the spec width) in CUDA graphs and
+        replay them from now on: decode-only steps are padded to the smallest size that holds
+        them, larger ones and mixed steps run as before. Capture runs all-padding steps (nothing
+        is written) over this engine's caches, so it must come after any runner warm-up and
+        before the first step; every rank must call it alike. CUDA only. ``eager_every``: see
+        :class:`~pcppass.engine.graphs.CudaGraphRunner`."""
+        if self.graph_sizes:
+            raise RuntimeError(f"decode graphs already captured for sizes {self.graph_sizes}")
+        sizes = tuple(sorted(set(sizes or decode_graph_sizes(self.decode_rows_per_rank * self.config.max_spec_width))))
+        if sizes[0] < 2:
+            raise ValueError(f"graph sizes must be >= 2 (the layout never hands out fewer rows), got {sizes}")
+        graphs = CudaGraphRunner(self.runner, self.device, eager_every=eager_every)
+        with decode_rows_per_rank(self.decode_rows_per_rank):
+            for size in sizes:
+                local = padding_step(size, self.rank, self.world, self.groups, self.table_columns, self.device)
+                graphs.capture(local, self.caches, "decode")
+        self.runner, self.graph_sizes = graphs, sizes
+        return sizes
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, spec: RequestSpec) -> None:
@@ -228,12 +256,15 @@ class Engine:
     def plan(self, step: GlobalStep) -> tuple[LayoutPlan, list[LocalStep]]:
         """The layout and every rank's local step (all ranks' are needed to validate)."""
         plan = plan_layout(
-            step, self.world, self.policy, partition_prefill=self.partition_prefill, buckets=self.config.buckets
+            step, self.world, self.policy, partition_prefill=self.partition_prefill, buckets=self.config.buckets,
+            graph_sizes=self.graph_sizes,
         )
         ranks = range(self.world) if self.config.validate else [self.rank]
         first_only = self._replicated_writers(step) == "first_rank"
+        # Built and validated on the host (validation reads every slot); only this rank's step
+        # goes to the device (execute).
         locals_ = [
-            build_local_step(step, plan, r, self.groups, self.table_columns, self.device,
+            build_local_step(step, plan, r, self.groups, self.table_columns, "cpu",
                              writes_replicated=not first_only or r == 0)
             for r in ranks
         ]
@@ -261,7 +292,7 @@ class Engine:
             if self.config.validate:
                 validate_plan(step, plan, locals_, self.groups, self.num_blocks, self.scheduler.kv.is_shared,
                               self._replicated_writers(step))
-            local = locals_[self.rank] if self.config.validate else locals_[0]
+            local = (locals_[self.rank] if self.config.validate else locals_[0]).to(self.device)
             with decode_rows_per_rank(self.decode_rows_per_rank):
                 hidden = self.runner(local.input_ids, local.positions, local.meta, self.caches, step.step_kind)
             if hidden.dim() != 2 or hidden.shape[0] != local.num_tokens:

@@ -15,14 +15,18 @@
   step, and the digests of all ranks are gathered (one small all-gather): a tensor that was equal
   on every rank before the step and differs after it diverged in this step, and is named.
 
-Both are configured by :class:`pcppass.checks.SyncChecks`.
+Both are configured by :class:`pcppass.checks.SyncChecks`. A step replayed from a CUDA graph runs
+neither (no Python runs); a runner that replays steps runs some of them un-captured inside
+:func:`digest_forced`, whose digest checks are then due whatever the cadence.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,8 @@ import torch.fx
 from pcppass.checks import SyncChecks
 from pcppass.errors import PcpSyncError
 
+#: set by :func:`digest_forced`
+_DIGEST_FORCED: contextvars.ContextVar[bool] = contextvars.ContextVar("pcppass_digest_forced", default=False)
 _BARE_LOCAL = re.compile(r"^L\['[^']*'\]$")
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -142,6 +148,8 @@ class StateDigestCheck:
         call, self.calls = self.calls, self.calls + 1
         if not self.checks.state_digest or _capturing():
             return False
+        if _DIGEST_FORCED.get():
+            return True
         every = self.checks.digest_every
         return call < self.checks.digest_first_steps or (every > 0 and call % every == 0)
 
@@ -180,6 +188,18 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def digest_forced() -> Iterator[None]:
+    """Every state-digest check of a step run in this context is due (where ``state_digest`` is
+    on): the steps a CUDA-graph runner runs un-captured, so that the digest keeps seeing the
+    graph's steps between replays (:class:`pcppass.engine.graphs.CudaGraphRunner`)."""
+    token = _DIGEST_FORCED.set(True)
+    try:
+        yield
+    finally:
+        _DIGEST_FORCED.reset(token)
 
 
 def _capturing() -> bool:

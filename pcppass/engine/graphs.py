@@ -1,0 +1,176 @@
+"""Decode steps replayed from CUDA graphs, so the host's cost of a step is copying its inputs.
+
+An eager decode step costs the host far more than a shallow model's GPU work: Inductor's wrapper,
+every Triton launcher, the custom ops' Python and pcppass's per-step checks run for every launch
+(measured on one H200: docs/BENCH.md, "Serving"). vLLM captures its decode steps
+(``FULL_DECODE_ONLY``); :class:`CudaGraphRunner` does the same around any engine runner::
+
+    capture, once per size T (at start-up, on an all-padding step: every slot -1, nothing written)
+        static ids, positions, meta [T]  ->  runner(..., caches, "decode")  ->  static hidden [T, H]
+    each decode step the layout padded to a captured T
+        raise_pending(device)            an error the device checks recorded in an earlier step
+        static inputs <- the step's      one copy per input tensor
+        graph.replay()                   the whole step: cache writes, the sync, the device checks
+        -> static hidden                 read by the engine (all-gather, sampling) before the next step
+
+A replay runs no Python. What the wrapped runner checks on the host around its compiled step is
+therefore either unchanged by a replay or done here:
+
+* the slot-range, two-owner and sync-header checks are kernels inside the step: captured, they run
+  on every replay and leave the status :func:`pcppass.runtime.device_checks.raise_pending` reads;
+* recompiles, Dynamo running the step eagerly and state rebound outside the graph cannot happen in
+  a replay (no Dynamo, no Python stores), and the caches a replay writes must be the tensors the
+  graph was captured on: :meth:`CudaGraphRunner.__call__` refuses any other;
+* the state digest (a host read of every cache) cannot be captured, so every ``eager_every``-th
+  decode step of a captured size runs the step un-captured with its digest check forced
+  (:func:`pcppass.runtime.state_checks.digest_forced`); the first one is such a step.
+
+Every rank captures the same sizes in the same order and takes the same path at every step (the
+layout, and so the padded size, is the same on every rank), so their collectives match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from pcppass.engine.layout import LocalStep
+from pcppass.runtime import device_checks
+from pcppass.runtime.state_checks import digest_forced
+
+#: eager calls before a size is captured: the first compiles that size's kernel specialisations,
+#: the second runs them as the capture will record them
+WARMUP_CALLS = 2
+
+
+def decode_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Local token counts to capture decode steps for, as vLLM's capture sizes: 2, 4, 8, then every
+    multiple of 8, up to the first that holds ``max_tokens`` (1 is never handed out: the layout
+    pads every step to at least 2 rows)."""
+    sizes = [s for s in (2, 4, 8) if s < max_tokens] or [2]
+    while sizes[-1] < max_tokens:
+        sizes.append(sizes[-1] * 2 if sizes[-1] < 8 else sizes[-1] + 8)
+    return tuple(sizes)
+
+
+@dataclass
+class CapturedStep:
+    """One captured decode step: the graph, the static tensors it reads and writes, and the
+    replica sync the wrapped runner recorded for it (replayed into its log on each replay)."""
+
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: dict[str, torch.Tensor]
+    caches: dict[str, int]  # cache name -> data pointer the graph writes
+    hidden: torch.Tensor
+    sync: Any | None
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: dict[str, torch.Tensor]) -> None:
+        self.input_ids.copy_(input_ids)
+        self.positions.copy_(positions)
+        for key, static in self.meta.items():
+            static.copy_(meta[key])
+
+
+class CudaGraphRunner:
+    """``runner(input_ids, positions, meta, caches, step_kind) -> hidden`` that replays decode steps
+    of the captured sizes (see the module docstring) and runs every other step through ``runner``.
+
+    ``eager_every``: every n-th decode step of a captured size runs un-captured, its state digest
+    check forced (0: never; the digest then sees only the steps before capture).
+    """
+
+    def __init__(self, runner: Any, device: torch.device | str, *, eager_every: int = 64,
+                 kinds: Sequence[str] = ("decode",)) -> None:
+        self.runner = runner
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the engine runs on {self.device}")
+        if eager_every < 0:
+            raise ValueError(f"eager_every must be >= 0, got {eager_every}")
+        self.eager_every = eager_every
+        self.kinds = tuple(kinds)
+        self.graphs: dict[tuple[str, int], CapturedStep] = {}
+        self.pool: Any = None
+        #: decode steps of a captured size so far: replayed, and run un-captured
+        self.replays = 0
+        self.eager_steps = 0
+
+    # -- what the wrapped runner exposes --------------------------------------------------------
+    @property
+    def step_syncs(self) -> list:
+        """The wrapped runner's log of per-step replica syncs (replays included); [] if it keeps none."""
+        return getattr(self.runner, "step_syncs", [])
+
+    def sizes(self, step_kind: str = "decode") -> tuple[int, ...]:
+        return tuple(sorted(t for kind, t in self.graphs if kind == step_kind))
+
+    # -- capture ---------------------------------------------------------------------------------
+    def capture(self, local: LocalStep, caches: dict[str, torch.Tensor], step_kind: str = "decode") -> None:
+        """Capture ``step_kind`` steps of ``local.num_tokens`` rows on ``local`` (an all-padding
+        step: warm-up and capture then write nothing) over ``caches``, the tensors every replay
+        will write."""
+        if step_kind not in self.kinds:
+            raise ValueError(f"{step_kind!r} steps are not replayed (kinds: {self.kinds})")
+        local = local.to(self.device)
+        ids, positions = local.input_ids.clone(), local.positions.clone()
+        meta = {k: v.clone() for k, v in local.meta.items()}
+        syncs = self.step_syncs
+        logged = len(syncs)
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                self.runner(ids, positions, meta, caches, step_kind)
+        current.wait_stream(side)
+        warmed = len(syncs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.runner(ids, positions, meta, caches, step_kind)
+        self.pool = graph.pool()
+        sync = syncs[-1] if len(syncs) > warmed else None
+        del syncs[logged:]  # warm-up and capture are not steps
+        self.graphs[(step_kind, local.num_tokens)] = CapturedStep(
+            graph, ids, positions, meta, {name: t.data_ptr() for name, t in caches.items()}, hidden, sync)
+
+    # -- steps -----------------------------------------------------------------------------------
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: dict[str, torch.Tensor],
+                 caches: dict[str, torch.Tensor], step_kind: str) -> torch.Tensor:
+        captured = self.graphs.get((step_kind, int(input_ids.shape[0])))
+        if captured is None:
+            return self.runner(input_ids, positions, meta, caches, step_kind)
+        refuse_other_inputs(captured, input_ids, positions, meta, caches)
+        if self.eager_every and (self.replays + self.eager_steps) % self.eager_every == 0:
+            self.eager_steps += 1
+            with digest_forced():
+                return self.runner(input_ids, positions, meta, caches, step_kind)
+        device_checks.raise_pending(self.device)
+        captured.load(input_ids, positions, meta)
+        captured.graph.replay()
+        if captured.sync is not None:
+            self.step_syncs.append(captured.sync)
+        self.replays += 1
+        return captured.hidden
+
+
+def refuse_other_inputs(captured: CapturedStep, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: dict[str, torch.Tensor], caches: dict[str, torch.Tensor]) -> None:
+    """A replay reads the captured tensors and writes the captured caches: refuse a step whose
+    inputs would not fit them (other meta keys, shapes or dtypes) or whose caches are other tensors
+    (reallocated: the graph would write freed memory and leave the new caches unsynchronised)."""
+    if set(meta) != set(captured.meta):
+        raise ValueError(f"step meta {sorted(meta)} differs from the captured step's {sorted(captured.meta)}")
+    pairs = [("input_ids", input_ids, captured.input_ids), ("positions", positions, captured.positions)]
+    pairs += [(f"meta[{k!r}]", meta[k], v) for k, v in captured.meta.items()]
+    for name, given, static in pairs:
+        if given.shape != static.shape or given.dtype != static.dtype:
+            raise ValueError(f"{name}: {given.dtype}{list(given.shape)} where the captured step has "
+                             f"{static.dtype}{list(static.shape)}")
+    moved = sorted(name for name, t in caches.items() if captured.caches.get(name) != t.data_ptr())
+    if moved or set(caches) != set(captured.caches):
+        raise ValueError(f"caches {moved or sorted(set(caches) ^ set(captured.caches))} are not the tensors "
+                         "the decode graphs were captured on; capture again after reallocating caches")
