@@ -135,3 +135,40 @@ def test_ngram_draft():
     assert ngram_draft([4, 7, 8, 4], 4) == [7, 8, 4, 4]  # short continuation padded
     assert ngram_draft([1, 2, 3], 2) == [3, 3]  # no match: repeat the last token
     assert ngram_draft([1, 2], 0) == []
+
+
+def test_block_hashes_extend_a_known_chain():
+    """The chain grown from hashes already computed is the chain computed from scratch, and a
+    different token anywhere before a block changes that block's hash."""
+    from pcppass.engine.allocator import block_hashes
+
+    tokens = list(range(100, 140))
+    full = block_hashes(tokens, BS, 10)
+    assert block_hashes(tokens, BS, 10, full[:3]) == full
+    assert block_hashes(tokens, BS, 4, full) == full[:4]
+    changed = block_hashes(tokens[:5] + [7] + tokens[6:], BS, 10)
+    assert changed[:1] == full[:1] and all(a != b for a, b in zip(changed[1:], full[1:]))
+
+
+def test_prefix_hits_after_decoded_blocks_are_registered():
+    """A request's decoded tokens fill blocks that a later request with the same tokens finds:
+    the hashes grown step by step from the prompt's match those of the whole token list."""
+    kv = KVCacheManager([KV], 32, max_model_len=64, max_step_positions=8)
+    first = list(range(1, 11))  # 10 prompt tokens
+    assert kv.try_admit("a", first, 30) == 0
+    tokens = list(first)
+    for step, new in enumerate(range(50, 60)):
+        kv.ensure_blocks("a", len(tokens) + 1)
+        tokens.append(new)
+        kv.register_computed("a", tokens, len(tokens) - 1)
+    # 19 computed positions: 4 full blocks; a second request with those 16 tokens + more hits them
+    assert kv.try_admit("b", tokens[:16] + [99, 98], 30) == 16
+
+
+def test_request_tokens_follow_its_output():
+    from pcppass.engine.scheduler import Request
+
+    req = Request(RequestSpec(req_id=1, prompt=(5, 6, 7), max_new_tokens=4))
+    req.add_output([8])
+    req.add_output([9, 10])
+    assert req.tokens == [5, 6, 7, 8, 9, 10] and req.output == [8, 9, 10]

@@ -96,17 +96,19 @@ class BlockPool:
         return self.refcount[block] > 1
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int,
+                 known: Sequence[bytes] = ()) -> list[bytes]:
     """Chained hashes of the first ``num_blocks`` full blocks of ``token_ids``.
 
     Hash ``i`` covers tokens ``[0, (i + 1) * block_size)``: equal hashes mean equal prefixes.
+    ``known``: the chain's first hashes, already computed for these tokens (only the blocks after
+    them are hashed).
     """
-    out: list[bytes] = []
-    parent = b""
-    for i in range(num_blocks):
-        chunk = token_ids[i * block_size : (i + 1) * block_size]
+    out = list(known[:num_blocks])
+    parent = out[-1] if out else b""
+    for i in range(len(out), num_blocks):
         h = hashlib.sha256(parent)
-        h.update(b",".join(str(int(t)).encode() for t in chunk))
+        h.update(",".join(map(str, token_ids[i * block_size : (i + 1) * block_size])).encode())
         parent = h.digest()
         out.append(parent)
     return out
@@ -117,6 +119,8 @@ class _RequestBlocks:
     tables: dict[str, list[int]]
     reserved: dict[str, int]  # worst-case blocks per group over the request's lifetime
     num_registered: dict[str, int] = field(default_factory=dict)  # full blocks indexed so far
+    #: per group, the chained hashes of the request's blocks computed so far
+    hashes: dict[str, list[bytes]] = field(default_factory=dict)
 
 
 class KVCacheManager:
@@ -171,17 +175,20 @@ class KVCacheManager:
         return out
 
     # -- admission ---------------------------------------------------------------------------
-    def _prefix_hits(self, token_ids: Sequence[int]) -> tuple[int, dict[str, list[int]]]:
-        """Longest cached prefix (in tokens) common to all groups, and its blocks per group."""
+    def _prefix_hits(self, token_ids: Sequence[int]) -> tuple[int, dict[str, list[int]], dict[str, list[bytes]]]:
+        """Longest cached prefix (in tokens) common to all groups, its blocks per group, and the
+        hashes of the prompt's full blocks per group (kept for the request's own blocks)."""
         if not self.prefix_caching:
-            return 0, {g: [] for g in self.groups}
+            return 0, {g: [] for g in self.groups}, {g: [] for g in self.groups}
         # At least one prompt token is always computed: its logits give the first output token.
         max_hit = len(token_ids) - 1
         hit_tokens = max_hit
         per_group: dict[str, list[int]] = {}
+        hashes: dict[str, list[bytes]] = {}
         for name, g in self.groups.items():
             blocks = []
-            for h in block_hashes(token_ids, g.block_size, max_hit // g.block_size):
+            hashes[name] = block_hashes(token_ids, g.block_size, max_hit // g.block_size)
+            for h in hashes[name]:
                 b = self.pools[name].lookup(h)
                 if b is None:
                     break
@@ -191,7 +198,8 @@ class KVCacheManager:
         # Round down to a position every group's blocks end at.
         while any(hit_tokens % g.block_size for g in self.groups.values()):
             hit_tokens -= 1
-        return hit_tokens, {n: b[: hit_tokens // self.groups[n].block_size] for n, b in per_group.items()}
+        return (hit_tokens, {n: b[: hit_tokens // self.groups[n].block_size] for n, b in per_group.items()},
+                hashes)
 
     def try_admit(self, req_id: object, token_ids: Sequence[int], max_positions: int) -> int | None:
         """Admit a request whose cached positions never exceed ``max_positions``.
@@ -201,7 +209,7 @@ class KVCacheManager:
         """
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} already admitted")
-        hit_tokens, hits = self._prefix_hits(token_ids)
+        hit_tokens, hits, hashes = self._prefix_hits(token_ids)
         outstanding = self._outstanding()
         need = {g: self._blocks_for(g, max_positions) for g in self.groups}
         for g, pool in self.pools.items():
@@ -215,6 +223,7 @@ class KVCacheManager:
             tables={g: list(hits[g]) for g in self.groups},
             reserved=need,
             num_registered={g: len(hits[g]) for g in self.groups},
+            hashes=hashes,
         )
         return hit_tokens
 
@@ -240,7 +249,9 @@ class KVCacheManager:
             full = min(num_computed // bs, len(table))
             done = rb.num_registered[g]
             if full > done:
-                hashes = block_hashes(token_ids, bs, full)
+                # Hashes already computed (the prompt's, earlier blocks') cover the same tokens:
+                # a request's tokens only ever grow at the end.
+                rb.hashes[g] = hashes = block_hashes(token_ids, bs, full, rb.hashes.get(g, ()))
                 for i in range(done, full):
                     self.pools[g].register(table[i], hashes[i])
                 rb.num_registered[g] = full

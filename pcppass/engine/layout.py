@@ -30,6 +30,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
+import numpy as np
 import torch
 
 from pcppass.engine.contract import (
@@ -227,7 +228,9 @@ def build_local_step(
     is_pad = [True] * t_pad
     gidx = [-1] * t_pad
     slots = {g.name: [-1] * t_pad for g in groups}
-    tables = {g.name: [[0] * table_columns(g.name) for _ in range(r_pad)] for g in groups}
+    # numpy rows, filled a request at a time: a nested list of T x columns ints made into a tensor
+    # cost a long-context step more host time than the rest of its layout
+    tables = {g.name: np.zeros((r_pad, table_columns(g.name)), dtype=np.int64) for g in groups}
     seq_lens = [0] * r_pad
     qsl = [0] * (r_pad + 1)
     t = 0
@@ -267,7 +270,7 @@ def build_local_step(
     }
     for g in groups:
         meta[slot_key(g.name)] = i64(slots[g.name])
-        meta[table_key(g.name)] = i64(tables[g.name])
+        meta[table_key(g.name)] = torch.from_numpy(tables[g.name]).to(device)
     return LocalStep(rank, i64(ids), i64(pos), meta, tuple(gidx), t)
 
 

@@ -37,6 +37,11 @@ class Request:
     #: rank fixed at admission for the "sticky" ownership policy
     sticky_owner: int = 0
     finished: bool = False
+    #: prompt + output, kept as the output grows (rebuilding it per step costs O(prompt) a row)
+    _tokens: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._tokens = list(self.spec.prompt) + self.output
 
     @property
     def req_id(self) -> int:
@@ -44,7 +49,12 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
-        return list(self.spec.prompt) + self.output
+        """Prompt then output tokens (the engine's own list: read it, do not change it)."""
+        return self._tokens
+
+    def add_output(self, tokens: Sequence[int]) -> None:
+        self.output.extend(tokens)
+        self._tokens.extend(tokens)
 
     @property
     def prefilling(self) -> bool:
@@ -265,7 +275,7 @@ class Scheduler:
                     accepted += 1
                 gained[row.req_id] = s[: accepted + 1]
                 req.num_computed += accepted + 1
-            req.output.extend(gained.get(row.req_id, ()))
+            req.add_output(gained.get(row.req_id, ()))
             self.kv.register_computed(req.req_id, req.tokens, req.num_computed)
         done = []
         for req in self.running:
