@@ -39,6 +39,7 @@ from pcppass.engine.layout import Policy, padding_step
 from pcppass.engine.runner import Engine
 from pcppass.errors import PcpError, PcpSyncError
 from pcppass.rewrite.insert import Schedule
+from pcppass.runtime.capturable import capturable
 from pcppass.runtime.failstop import group_rank, raise_fail_stop
 from pcppass.runtime.stats import SYNC_COUNTERS
 
@@ -107,6 +108,11 @@ class ShardedRunner:
     @property
     def backends(self) -> dict[str, PcpBackend]:
         return {"decode": self.decode_backend, "mixed": self.mixed_backend}
+
+    def capturable(self, step_kind: str) -> tuple[bool, str]:
+        """Whether ``step_kind`` steps can be captured in a CUDA graph, from what the backend
+        compiled (:func:`pcppass.runtime.capturable.capturable`; after :meth:`warmup`)."""
+        return capturable(self.backends[step_kind])
 
     def __call__(self, input_ids, positions, meta, caches, step_kind: str) -> torch.Tensor:
         if step_kind not in self._graphs:

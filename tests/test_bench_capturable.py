@@ -1,4 +1,4 @@
-"""When ``pcppass bench`` captures a step in a CUDA graph (:func:`pcppass.bench.sync_info.capturable`).
+"""When ``pcppass bench`` captures a step in a CUDA graph (:func:`pcppass.runtime.capturable.capturable`).
 
 A failed capture is not harmless: the failing op fails the step and a failed sharded step aborts the
 process group. So the bench asks what the backend compiled, on 2 gloo ranks with real sharded steps:
@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pcppass.kernels  # noqa: F401
 from pcppass.bench import sync_info
+from pcppass.runtime import capturable
 from pcppass.bench.step import checks_off
 from pcppass.compiler import PcpBackend
 from pcppass.engine.launch import launch
@@ -51,22 +52,22 @@ def described_on_cuda(backend):
 def _rank(rank, world):
     caches = torch.zeros(NB, BS, 2, 4), torch.zeros(NB, BS, 2, 4)
     slots = torch.tensor([rank, -1, 8 + rank])
-    out = {"before_compile": sync_info.capturable(PcpBackend()), "plain": sync_info.capturable(None),
-           "says_itself": sync_info.capturable(types.SimpleNamespace(capturable=False))}
+    out = {"before_compile": capturable.capturable(PcpBackend()), "plain": capturable.capturable(None),
+           "says_itself": capturable.capturable(types.SimpleNamespace(capturable=False))}
 
     step, checked = _compiled(kv_step)
     step(torch.randn(3, 8), slots, *caches)
     graph = checked.reports[-1].graph
-    out["on_cpu"] = sync_info.capturable(checked)
+    out["on_cpu"] = capturable.capturable(checked)
     out["transport"] = sync_info.transport(checked)["transport"]
     out["checks"] = sync_info.checks(checked)
-    out["host_reads"] = sync_info.host_reading_ops(graph)
+    out["host_reads"] = capturable.host_reading_ops(graph)
     with rows_cuda.kernels_enabled(False):
-        out["host_reads_reference"] = sync_info.host_reading_ops(graph)
+        out["host_reads_reference"] = capturable.host_reading_ops(graph)
     described_on_cuda(checked)
-    out["on_cuda"] = sync_info.capturable(checked)
+    out["on_cuda"] = capturable.capturable(checked)
     with rows_cuda.kernels_enabled(False):
-        out["on_cuda_reference"] = sync_info.capturable(checked)
+        out["on_cuda_reference"] = capturable.capturable(checked)
 
     step, unchecked = _compiled(kv_step, checks_off())
     step(torch.randn(3, 8), slots, *caches)
@@ -74,7 +75,7 @@ def _rank(rank, world):
 
     step, computed = _compiled(computed_kv_slots)
     step(torch.randn(3, 8), slots, torch.tensor(0), *caches)
-    out["computed_on_cuda"] = sync_info.capturable(described_on_cuda(computed))
+    out["computed_on_cuda"] = capturable.capturable(described_on_cuda(computed))
     return out
 
 

@@ -117,3 +117,25 @@ def test_sharded_decode_graphs_keep_replicas_identical():
     assert all(r["unequal"] == [] for r in results), [r["unequal"] for r in results]
     assert all(r["outputs"] == first["reference"] for r in results)
     assert first["replays"] > 0 and set(first["decode_syncs"]) == {1}
+
+
+def test_a_step_the_runner_says_cannot_be_captured_is_refused_before_it_runs():
+    from pcppass.engine import Engine
+    from pcppass.engine.graphs import GraphCaptureError
+    from pcppass.models import build_model
+
+    model = build_model("llama", "tiny", device="cuda")
+    calls = []
+
+    class HostReading:
+        def __call__(self, ids, positions, meta, caches, step_kind):
+            calls.append(step_kind)
+            return model(ids, positions, meta, caches)
+
+        def capturable(self, step_kind):
+            return False, "an operator that reads the device on the host"
+
+    engine = Engine(model, runner=HostReading(), num_blocks=16, max_num_batched_tokens=16, max_model_len=64)
+    with pytest.raises(GraphCaptureError, match="reads the device on the host"):
+        engine.capture_decode_graphs()
+    assert calls == [] and engine.graph_sizes == ()

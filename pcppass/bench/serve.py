@@ -115,6 +115,11 @@ class SplitRunner:
         self.decode, self.sharded = decode, sharded
         self.step_syncs = sharded.step_syncs
 
+    def capturable(self, step_kind: str) -> tuple[bool, str]:
+        if step_kind == "decode":  # a plain torch.compile: a failed capture raises on every rank alike
+            return True, ""
+        return self.sharded.capturable(step_kind)
+
     def __call__(self, input_ids, positions, meta, caches, step_kind):
         if step_kind == "decode":
             return self.decode(input_ids, positions, meta, caches, step_kind)

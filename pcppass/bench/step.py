@@ -20,7 +20,7 @@ its attention kernels for its own rows per rank (:func:`pcppass.kernels.attentio
 ``N * P`` replicated, ``N`` sharded), as a deployment of either would. Before timing, a smoke
 runs a few sharded steps with moving ownership and compares every cache bitwise across ranks (and
 checks that ``nosync`` does make them differ). With ``cuda_graph`` a step is captured when
-:func:`pcppass.bench.sync_info.capturable` says it can be (on CUDA the checks run on the device);
+:func:`pcppass.runtime.capturable.capturable` says it can be (on CUDA the checks run on the device);
 after its timed replays one more replay with rotated owners at a new position runs, then the
 device status is read and every cache compared bitwise across ranks. See docs/BENCH.md.
 """
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from pcppass.bench import sync_info
+from pcppass.runtime import capturable
 from pcppass.bench.environment import environment
 from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
 from pcppass.bench.results import save_partial
@@ -276,7 +277,7 @@ def time_config(cfg: StepBenchConfig, call: Callable, compiled: dict, setup: Dec
         entry["bare_all_gather_sync_bytes"] = bare_all_gather_us(sent)
     if cfg.cuda_graph:
         for v, (step, inputs) in steps.items():
-            ok, why = sync_info.capturable(compiled[v][1])
+            ok, why = capturable.capturable(compiled[v][1])
             entry["variants"][v]["cuda_graph"] = (
                 replayed(step, inputs, call(v, n, c, c + next(fresh), turn=1)[1], setup.caches, cfg) if ok
                 else {"captured": False, "reason": why})

@@ -27,6 +27,12 @@ therefore either unchanged by a replay or done here:
 
 Every rank captures the same sizes in the same order and takes the same path at every step (the
 layout, and so the padded size, is the same on every rank), so their collectives match.
+
+A step that reads the device on the host cannot be captured (DeepSeek-V4's compressor store, the
+reference sync ops): a runner that can tell (``runner.capturable(step_kind) -> (ok, why)``, as
+:class:`pcppass.sharded.ShardedRunner` does from what its backend compiled) is asked before
+anything runs, since a failed capture of a sharded step aborts its process group; any other
+failure of a capture is raised as :class:`GraphCaptureError` too, naming the size and the cause.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ import torch
 from pcppass.engine.layout import LocalStep
 from pcppass.runtime import device_checks
 from pcppass.runtime.state_checks import digest_forced
+
+class GraphCaptureError(RuntimeError):
+    """The decode step cannot be captured in a CUDA graph (run the engine without decode graphs)."""
+
 
 #: eager calls before a size is captured: the first compiles that size's kernel specialisations,
 #: the second runs them as the capture will record them
@@ -115,6 +125,7 @@ class CudaGraphRunner:
         will write."""
         if step_kind not in self.kinds:
             raise ValueError(f"{step_kind!r} steps are not replayed (kinds: {self.kinds})")
+        self._refuse_if_not_capturable(step_kind)
         local = local.to(self.device)
         ids, positions = local.input_ids.clone(), local.positions.clone()
         meta = {k: v.clone() for k, v in local.meta.items()}
@@ -129,13 +140,28 @@ class CudaGraphRunner:
         current.wait_stream(side)
         warmed = len(syncs)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.runner(ids, positions, meta, caches, step_kind)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self.runner(ids, positions, meta, caches, step_kind)
+        except Exception as exc:
+            torch.cuda.synchronize(self.device)
+            del syncs[logged:]
+            raise GraphCaptureError(f"{step_kind} steps of {local.num_tokens} rows could not be captured in a CUDA "
+                                    f"graph: {type(exc).__name__}: {exc}; run the engine without decode graphs") from exc
         self.pool = graph.pool()
         sync = syncs[-1] if len(syncs) > warmed else None
         del syncs[logged:]  # warm-up and capture are not steps
         self.graphs[(step_kind, local.num_tokens)] = CapturedStep(
             graph, ids, positions, meta, {name: t.data_ptr() for name, t in caches.items()}, hidden, sync)
+
+    def _refuse_if_not_capturable(self, step_kind: str) -> None:
+        ask = getattr(self.runner, "capturable", None)
+        if ask is None:
+            return
+        ok, why = ask(step_kind)
+        if not ok:
+            raise GraphCaptureError(f"{step_kind} steps cannot be captured in a CUDA graph: {why}; run the engine "
+                                    "without decode graphs")
 
     # -- steps -----------------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: dict[str, torch.Tensor],

@@ -315,6 +315,7 @@ def validate_plan(
         capacity = num_blocks(name) * grp.block_size
         writers: dict[int, set[int]] = {}  # global token -> ranks writing it
         token_of_slot: dict[int, int] = {}
+        row_blocks: dict[int, set[int]] = {}  # global row -> its table's blocks (membership per slot)
         for ls in local_steps:
             sm = ls.meta[key]
             if sm.dtype != torch.int64:
@@ -345,7 +346,10 @@ def validate_plan(
                 if slot >= capacity:
                     raise PlanError(f"{where(g, name, slot)}: out of range [0, {capacity}) on rank {ls.rank}")
                 block = slot // grp.block_size
-                if block not in row.block_table[name]:
+                blocks = row_blocks.get(row_of_token[g])
+                if blocks is None:
+                    blocks = row_blocks[row_of_token[g]] = set(row.block_table[name])
+                if block not in blocks:
                     raise PlanError(f"{where(g, name, slot)}: block {block} is not in the request's block table")
                 if is_shared is not None and is_shared(name, block):
                     raise PlanError(f"{where(g, name, slot)}: block {block} is shared through the prefix cache")
