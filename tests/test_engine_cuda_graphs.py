@@ -4,7 +4,8 @@ tests/test_engine_graphs.py).
 * one GPU: full-width models (2 layers, bf16, the paged Triton kernels, Inductor) serve the same
   requests with decode graphs and with eager launches padded to the same sizes: the same tokens and
   bitwise the same caches, with most decode steps replayed and the first one run un-captured;
-* one GPU: a replay over caches the graphs were not captured on is refused before it runs;
+* one GPU: a replay over caches the graphs were not captured on is refused before it runs, and a
+  runner that says its step cannot be captured is refused before any capture;
 * two GPUs: decode sharded over 2 ranks (NCCL, pcppass's deferred sync, checks on) with decode
   graphs: tokens equal to a single-rank run, every cache bitwise equal on both ranks after every
   step, one collective per replayed decode step.
@@ -119,7 +120,9 @@ def test_sharded_decode_graphs_keep_replicas_identical():
     assert first["replays"] > 0 and set(first["decode_syncs"]) == {1}
 
 
-def test_a_step_the_runner_says_cannot_be_captured_is_refused_before_it_runs():
+def test_a_step_the_runner_says_cannot_be_captured_is_refused_before_its_capture():
+    """The runner is asked after its eager warm-up on all-padding steps (a runner knows what it
+    compiled once it has run) and before any capture: a refused capture never starts."""
     from pcppass.engine import Engine
     from pcppass.engine.graphs import GraphCaptureError
     from pcppass.models import build_model
@@ -138,4 +141,5 @@ def test_a_step_the_runner_says_cannot_be_captured_is_refused_before_it_runs():
     engine = Engine(model, runner=HostReading(), num_blocks=16, max_num_batched_tokens=16, max_model_len=64)
     with pytest.raises(GraphCaptureError, match="reads the device on the host"):
         engine.capture_decode_graphs()
-    assert calls == [] and engine.graph_sizes == ()
+    assert calls == ["decode", "decode"] and engine.graph_sizes == ()  # the warm-up of the first size only
+    assert not torch.cuda.is_current_stream_capturing()

@@ -10,7 +10,7 @@ import torch
 
 from pcppass.checks import SyncChecks
 from pcppass.engine.contract import CacheGroupSpec
-from pcppass.engine.graphs import CapturedStep, decode_graph_sizes, refuse_other_inputs
+from pcppass.engine.graphs import CapturedStep, cache_identity, decode_graph_sizes, refuse_other_inputs
 from pcppass.engine.layout import padding_step, plan_layout
 from pcppass.engine.scheduler import GlobalStep, StepRow
 from pcppass.runtime.state_checks import StateDigestCheck, digest_forced
@@ -73,7 +73,7 @@ def captured_step(meta: dict[str, torch.Tensor], caches: dict[str, torch.Tensor]
     # the refusal reads only the static tensors' metadata and the caches' addresses
     return CapturedStep(graph=None, input_ids=torch.zeros(4, dtype=torch.int64),
                         positions=torch.zeros(4, dtype=torch.int64), meta=meta,
-                        caches={k: v.data_ptr() for k, v in caches.items()}, hidden=torch.zeros(4, 2), sync=None)
+                        caches={k: cache_identity(v) for k, v in caches.items()}, hidden=torch.zeros(4, 2), sync=None)
 
 
 def test_replay_refuses_inputs_and_caches_it_was_not_captured_on():
@@ -93,6 +93,8 @@ def test_replay_refuses_inputs_and_caches_it_was_not_captured_on():
         refuse_other_inputs(captured, ids, ids, meta, {"k": caches["k"], "v": caches["v"].clone()})
     with pytest.raises(ValueError, match=r"caches \['w'\]"):
         refuse_other_inputs(captured, ids, ids, meta, {**caches, "w": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"caches \['k'\]"):  # the same memory seen with another shape
+        refuse_other_inputs(captured, ids, ids, meta, {"k": caches["k"].view(4, 3), "v": caches["v"]})
 
 
 def test_digest_is_due_on_every_forced_step():
@@ -113,3 +115,38 @@ def test_digest_is_due_on_every_forced_step():
     assert due_calls(cadence, ()) == [0, 1, 5, 10]
     assert due_calls(cadence, (3, 7)) == [0, 1, 3, 5, 7, 10]
     assert due_calls(SyncChecks(state_digest=False), (3, 7)) == []
+
+
+def digest_across_two_ranks(rank: int, world: int) -> dict:
+    """State that already differs across ranks before a checked step: named by a forced check
+    (replays since the last check wrote it), left to the step's own change by a regular one."""
+    from pcppass.errors import PcpSyncError
+
+    checks = SyncChecks(digest_first_steps=8)
+    out = {}
+    for forced in (False, True):
+        digest = StateDigestCheck(["L['caches']['kv']"], None, checks, rank)
+        cache = torch.full((4,), float(rank))  # differs across ranks before the step
+        try:
+            if forced:
+                with digest_forced():
+                    assert digest.due()
+                    digest.before([cache])
+                    digest.after([cache])
+            else:
+                assert digest.due()
+                digest.before([cache])
+                digest.after([cache])
+            out[forced] = "passed"
+        except PcpSyncError as exc:
+            out[forced] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_forced_digest_names_state_that_diverged_before_the_step():
+    from pcppass.engine.launch import launch
+
+    for result in launch(digest_across_two_ranks, 2, backend="gloo", timeout_s=60):
+        assert result[False] == "passed"
+        assert "differed across ranks before this step" in result[True] and "L['caches']['kv']" in result[True]

@@ -240,7 +240,10 @@ class KVCacheManager:
                 table.extend(self.pools[g].allocate(missing))
 
     def register_computed(self, req_id: object, token_ids: Sequence[int], num_computed: int) -> None:
-        """Index the request's blocks whose positions are now all computed (prefix cache)."""
+        """Index the request's blocks whose positions are now all computed (prefix cache).
+
+        ``token_ids`` are the request's tokens, which only ever grow at the end (its prompt, then
+        its accepted outputs): the hashes of blocks computed before are kept and not recomputed."""
         if not self.prefix_caching:
             return
         rb = self._requests[req_id]
@@ -251,7 +254,10 @@ class KVCacheManager:
             if full > done:
                 # Hashes already computed (the prompt's, earlier blocks') cover the same tokens:
                 # a request's tokens only ever grow at the end.
-                rb.hashes[g] = hashes = block_hashes(token_ids, bs, full, rb.hashes.get(g, ()))
+                known = rb.hashes.get(g, [])
+                hashes = block_hashes(token_ids, bs, full, known)
+                if len(hashes) > len(known):  # the prompt's chain may reach past this chunk: keep it
+                    rb.hashes[g] = hashes
                 for i in range(done, full):
                     self.pools[g].register(table[i], hashes[i])
                 rb.num_registered[g] = full

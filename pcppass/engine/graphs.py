@@ -23,7 +23,19 @@ therefore either unchanged by a replay or done here:
   graph was captured on: :meth:`CudaGraphRunner.__call__` refuses any other;
 * the state digest (a host read of every cache) cannot be captured, so every ``eager_every``-th
   decode step of a captured size runs the step un-captured with its digest check forced
-  (:func:`pcppass.runtime.state_checks.digest_forced`); the first one is such a step.
+  (:func:`pcppass.runtime.state_checks.digest_forced`), which then also names state that differed
+  across ranks before the step (diverged in the replays since the last check); the first decode
+  step of a captured size is such a step;
+* the cache-write ops' own host checks of their values (slot values, positions against a rope
+  table: :mod:`pcppass.kernels.checks`) are skipped under capture and so in every replay: the
+  engine's plan validation must be on (it checks every slot before the step), and positions are
+  bounded by ``max_model_len``, which must not exceed the model's tables. So are switches read
+  when an op runs (``rows_cuda.kernels_enabled``, ``checks.value_checks``): a replay keeps those
+  in force at capture.
+
+A failure on one rank while capturing or before a replay would leave the other ranks waiting in
+the step's collectives: at ``world > 1`` it aborts the process group first
+(:mod:`pcppass.runtime.failstop`), as a failed eager step does.
 
 Every rank captures the same sizes in the same order and takes the same path at every step (the
 layout, and so the padded size, is the same on every rank), so their collectives match.
@@ -41,9 +53,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 from pcppass.engine.layout import LocalStep
 from pcppass.runtime import device_checks
+from pcppass.runtime.failstop import group_rank, raise_fail_stop
 from pcppass.runtime.state_checks import digest_forced
 
 class GraphCaptureError(RuntimeError):
@@ -74,7 +88,7 @@ class CapturedStep:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: dict[str, torch.Tensor]
-    caches: dict[str, int]  # cache name -> data pointer the graph writes
+    caches: dict[str, tuple]  # cache name -> (data pointer, shape, strides, dtype) the graph writes
     hidden: torch.Tensor
     sync: Any | None
 
@@ -94,8 +108,10 @@ class CudaGraphRunner:
     """
 
     def __init__(self, runner: Any, device: torch.device | str, *, eager_every: int = 64,
-                 kinds: Sequence[str] = ("decode",)) -> None:
+                 kinds: Sequence[str] = ("decode",), world: int = 1,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.runner = runner
+        self.world, self.group = world, group
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the engine runs on {self.device}")
@@ -125,12 +141,39 @@ class CudaGraphRunner:
         will write."""
         if step_kind not in self.kinds:
             raise ValueError(f"{step_kind!r} steps are not replayed (kinds: {self.kinds})")
-        self._refuse_if_not_capturable(step_kind)
         local = local.to(self.device)
         ids, positions = local.input_ids.clone(), local.positions.clone()
         meta = {k: v.clone() for k, v in local.meta.items()}
         syncs = self.step_syncs
         logged = len(syncs)
+        try:
+            self._warm_up(ids, positions, meta, caches, step_kind)
+            # asked after the warm-up: a runner knows what it compiled only once it has run
+            self._refuse_if_not_capturable(step_kind)
+            warmed = len(syncs)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    hidden = self.runner(ids, positions, meta, caches, step_kind)
+            except Exception as exc:
+                torch.cuda.synchronize(self.device)
+                raise GraphCaptureError(
+                    f"{step_kind} steps of {local.num_tokens} rows could not be captured in a CUDA graph: "
+                    f"{type(exc).__name__}: {exc}; run the engine without decode graphs (on every rank)") from exc
+        except BaseException as exc:
+            del syncs[logged:]
+            if self.world <= 1:
+                raise
+            raise_fail_stop(exc, self.group, group_rank(self.group),
+                            f"capturing {step_kind} steps of {local.num_tokens} rows in a CUDA graph")
+        self.pool = graph.pool()
+        sync = syncs[-1] if len(syncs) > warmed else None
+        del syncs[logged:]  # warm-up and capture are not steps
+        self.graphs[(step_kind, local.num_tokens)] = CapturedStep(
+            graph, ids, positions, meta, {name: cache_identity(t) for name, t in caches.items()}, hidden, sync)
+
+    def _warm_up(self, ids: torch.Tensor, positions: torch.Tensor, meta: dict[str, torch.Tensor],
+                 caches: dict[str, torch.Tensor], step_kind: str) -> None:
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
@@ -138,21 +181,6 @@ class CudaGraphRunner:
             for _ in range(WARMUP_CALLS):
                 self.runner(ids, positions, meta, caches, step_kind)
         current.wait_stream(side)
-        warmed = len(syncs)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self.runner(ids, positions, meta, caches, step_kind)
-        except Exception as exc:
-            torch.cuda.synchronize(self.device)
-            del syncs[logged:]
-            raise GraphCaptureError(f"{step_kind} steps of {local.num_tokens} rows could not be captured in a CUDA "
-                                    f"graph: {type(exc).__name__}: {exc}; run the engine without decode graphs") from exc
-        self.pool = graph.pool()
-        sync = syncs[-1] if len(syncs) > warmed else None
-        del syncs[logged:]  # warm-up and capture are not steps
-        self.graphs[(step_kind, local.num_tokens)] = CapturedStep(
-            graph, ids, positions, meta, {name: t.data_ptr() for name, t in caches.items()}, hidden, sync)
 
     def _refuse_if_not_capturable(self, step_kind: str) -> None:
         ask = getattr(self.runner, "capturable", None)
@@ -169,14 +197,20 @@ class CudaGraphRunner:
         captured = self.graphs.get((step_kind, int(input_ids.shape[0])))
         if captured is None:
             return self.runner(input_ids, positions, meta, caches, step_kind)
-        refuse_other_inputs(captured, input_ids, positions, meta, caches)
         if self.eager_every and (self.replays + self.eager_steps) % self.eager_every == 0:
+            refuse_other_inputs(captured, input_ids, positions, meta, caches)
             self.eager_steps += 1
             with digest_forced():
                 return self.runner(input_ids, positions, meta, caches, step_kind)
-        device_checks.raise_pending(self.device)
-        captured.load(input_ids, positions, meta)
-        captured.graph.replay()
+        try:
+            refuse_other_inputs(captured, input_ids, positions, meta, caches)
+            device_checks.raise_pending(self.device)
+            captured.load(input_ids, positions, meta)
+            captured.graph.replay()
+        except BaseException as exc:
+            if self.world <= 1:
+                raise
+            raise_fail_stop(exc, self.group, group_rank(self.group), f"the {step_kind} step (a CUDA-graph replay)")
         if captured.sync is not None:
             self.step_syncs.append(captured.sync)
         self.replays += 1
@@ -187,7 +221,8 @@ def refuse_other_inputs(captured: CapturedStep, input_ids: torch.Tensor, positio
                         meta: dict[str, torch.Tensor], caches: dict[str, torch.Tensor]) -> None:
     """A replay reads the captured tensors and writes the captured caches: refuse a step whose
     inputs would not fit them (other meta keys, shapes or dtypes) or whose caches are other tensors
-    (reallocated: the graph would write freed memory and leave the new caches unsynchronised)."""
+    (reallocated: the graph would write freed memory and leave the new caches unsynchronised; the
+    same address with another shape or layout would be written with the captured one's)."""
     if set(meta) != set(captured.meta):
         raise ValueError(f"step meta {sorted(meta)} differs from the captured step's {sorted(captured.meta)}")
     pairs = [("input_ids", input_ids, captured.input_ids), ("positions", positions, captured.positions)]
@@ -196,7 +231,12 @@ def refuse_other_inputs(captured: CapturedStep, input_ids: torch.Tensor, positio
         if given.shape != static.shape or given.dtype != static.dtype:
             raise ValueError(f"{name}: {given.dtype}{list(given.shape)} where the captured step has "
                              f"{static.dtype}{list(static.shape)}")
-    moved = sorted(name for name, t in caches.items() if captured.caches.get(name) != t.data_ptr())
+    moved = sorted(name for name, t in caches.items() if captured.caches.get(name) != cache_identity(t))
     if moved or set(caches) != set(captured.caches):
         raise ValueError(f"caches {moved or sorted(set(caches) ^ set(captured.caches))} are not the tensors "
                          "the decode graphs were captured on; capture again after reallocating caches")
+
+
+def cache_identity(t: torch.Tensor) -> tuple:
+    """What a captured graph bakes in of a cache: its address, shape, strides and dtype."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -209,16 +209,31 @@ class Engine:
         :class:`~pcppass.engine.graphs.CudaGraphRunner`."""
         if self.graph_sizes:
             raise RuntimeError(f"decode graphs already captured for sizes {self.graph_sizes}")
+        if not self.config.validate:
+            raise ValueError("decode graphs skip the cache-write ops' own checks of their slots: they need the "
+                             "engine's plan validation (validate=True), which checks every slot before a step")
         sizes = tuple(sorted(set(sizes or decode_graph_sizes(self.decode_rows_per_rank * self.config.max_spec_width))))
         if sizes[0] < 2:
             raise ValueError(f"graph sizes must be >= 2 (the layout never hands out fewer rows), got {sizes}")
-        graphs = CudaGraphRunner(self.runner, self.device, eager_every=eager_every)
+        self._refuse_sizes_other_ranks_do_not_share(sizes)
+        graphs = CudaGraphRunner(self.runner, self.device, eager_every=eager_every, world=self.world,
+                                 group=self.group)
         with decode_rows_per_rank(self.decode_rows_per_rank):
             for size in sizes:
                 local = padding_step(size, self.rank, self.world, self.groups, self.table_columns, self.device)
                 graphs.capture(local, self.caches, "decode")
         self.runner, self.graph_sizes = graphs, sizes
         return sizes
+
+    def _refuse_sizes_other_ranks_do_not_share(self, sizes: tuple[int, ...]) -> None:
+        """Ranks that captured different sizes would pad one step differently (and their
+        collectives would not match): every rank compares all ranks' sizes, so all refuse alike."""
+        if self.world <= 1:
+            return
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, sizes, group=self.group)
+        if any(other != sizes for other in every):
+            raise ValueError(f"ranks asked for different decode graph sizes: {every}")
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, spec: RequestSpec) -> None:

@@ -4,7 +4,8 @@ Capturing a step that cannot be captured is not harmless: the failing op fails t
 failed sharded step aborts the process group (fail-stop), so everything after it on that group
 fails too. :func:`capturable` reads what a backend compiled (``backend.reports``: the graphs it
 handed to the inner compiler) and finds operators that would read the device on the host. Used by
-the engine's decode graphs (:mod:`pcppass.engine.graphs`) and the step bench.
+:meth:`pcppass.sharded.ShardedRunner.capturable` (asked by the engine's decode graphs before they
+capture) and the step bench.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@
 
 Both are configured by :class:`pcppass.checks.SyncChecks`. A step replayed from a CUDA graph runs
 neither (no Python runs); a runner that replays steps runs some of them un-captured inside
-:func:`digest_forced`, whose digest checks are then due whatever the cadence.
+:func:`digest_forced`, whose digest checks are then due whatever the cadence and also name state
+that differed across ranks before the step (it diverged in a replay since the last check).
 """
 
 from __future__ import annotations
@@ -180,6 +181,17 @@ class StateDigestCheck:
                 "the synchronised writes, e.g. a custom op whose mutates_args omits a cache it writes. "
                 "Declare the write (mutates_args) and cover it with a pattern."
             )
+        # A forced check follows steps replayed from a CUDA graph, which no digest saw: state
+        # that already differed before this step diverged in one of them.
+        earlier = [self.names[i] for k, i in enumerate(self.positions)
+                   if not all(torch.equal(r[k, :2], every_rank[0][k, :2]) for r in every_rank)]
+        if earlier and _DIGEST_FORCED.get():
+            raise PcpSyncError(
+                f"pcppass: rank {self.rank}: state differed across ranks before this step: "
+                f"{', '.join(earlier)}. It diverged since the last checked step, in steps no digest saw "
+                "(replayed from a CUDA graph): something in them wrote it outside the synchronised "
+                "writes. Declare the write (mutates_args) and cover it with a pattern."
+            )
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -193,8 +205,9 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
 @contextlib.contextmanager
 def digest_forced() -> Iterator[None]:
     """Every state-digest check of a step run in this context is due (where ``state_digest`` is
-    on): the steps a CUDA-graph runner runs un-captured, so that the digest keeps seeing the
-    graph's steps between replays (:class:`pcppass.engine.graphs.CudaGraphRunner`)."""
+    on), and names state that differed across ranks already before the step too: the steps a
+    CUDA-graph runner runs un-captured between replays, which no digest sees
+    (:class:`pcppass.engine.graphs.CudaGraphRunner`)."""
     token = _DIGEST_FORCED.set(True)
     try:
         yield
