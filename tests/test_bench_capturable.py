@@ -81,7 +81,7 @@ def _rank(rank, world):
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return launch(_rank, 2, timeout_s=200)
+    return launch(_rank, 2, backend="gloo", timeout_s=200)  # CPU tensors: gloo on a GPU machine too
 
 
 pytestmark = pytest.mark.timeout(240)
