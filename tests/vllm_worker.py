@@ -26,7 +26,9 @@ def _write_row(w) -> dict:
 def generate(options: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    args = dict(model=options["model_dir"], skip_tokenizer_init=True, dtype="float32", max_model_len=256)
+    from pcppass.integrations.vllm.engine_args import cpu_engine_args
+
+    args = cpu_engine_args(options["model_dir"], max_model_len=256)
     result: dict = {}
     if options["backend"] == "pcppass":
         import pcppass.integrations.vllm as integration

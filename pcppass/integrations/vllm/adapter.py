@@ -43,6 +43,7 @@ from pcppass.engine.contract import (
 )
 from pcppass.engine.runner import Engine
 from pcppass.errors import PcpError
+from pcppass.integrations.vllm.engine_args import cpu_engine_args
 from pcppass.runtime.stats import SYNC_COUNTERS
 from pcppass.sharded import ShardedRunner, StepSync
 
@@ -68,7 +69,8 @@ def init_vllm_ranks(vllm_config: Any, rank: int, world: int, *, timeout_s: float
 
 
 def vllm_config_for(model_dir: str, **engine_args: Any) -> Any:
-    """vLLM's config for ``model_dir``: no tokenizer, float32, and vLLM's own compilation off
+    """vLLM's config for ``model_dir``: no tokenizer, float32, the reference CPU MLA backend
+    (:mod:`.engine_args`), and vLLM's own compilation off
     (pcppass compiles) with vLLM's custom ops in their native torch form, as vLLM's own compile
     traces them (``custom_ops=["none"]``), unless ``engine_args`` say otherwise.
 
@@ -79,8 +81,7 @@ def vllm_config_for(model_dir: str, **engine_args: Any) -> Any:
     from vllm.config import CompilationMode
     from vllm.engine.arg_utils import EngineArgs
 
-    args = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32",
-                compilation_config={"mode": CompilationMode.NONE, "custom_ops": ["none"]})
+    args = cpu_engine_args(model_dir, compilation_config={"mode": CompilationMode.NONE, "custom_ops": ["none"]})
     args.update(engine_args)
     return EngineArgs(**args).create_engine_config()
 

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from pcppass.analysis.report import AuditReport
+from pcppass.integrations.vllm.engine_args import cpu_engine_args
 
 #: what an in-process audit needs from vLLM's environment (set unless already set)
 AUDIT_ENV = {
@@ -32,7 +33,7 @@ class VllmAuditError(RuntimeError):
 def audit_model_dir(model_dir: str, **llm_args: Any) -> AuditReport:
     """Every write into persistent state (and every handle) in vLLM's graph of ``model_dir``.
 
-    ``llm_args`` go to ``vllm.LLM`` (defaults: no tokenizer, float32, ``max_model_len=256``).
+    ``llm_args`` go to ``vllm.LLM`` (defaults: :mod:`.engine_args`, ``max_model_len=256``).
     """
     for key, value in AUDIT_ENV.items():
         os.environ.setdefault(key, value)
@@ -40,8 +41,8 @@ def audit_model_dir(model_dir: str, **llm_args: Any) -> AuditReport:
 
     from pcppass.integrations.vllm.compile import audit_backend
 
-    args = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                compilation_config={"mode": 2, "backend": "pcppass.integrations.vllm.audit_backend"})
+    args = cpu_engine_args(model_dir, max_model_len=256,
+                           compilation_config={"mode": 2, "backend": "pcppass.integrations.vllm.audit_backend"})
     args.update(llm_args)
     first = len(audit_backend.reports)
     LLM(**args)
