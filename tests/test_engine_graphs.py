@@ -69,6 +69,17 @@ def test_graphs_need_cuda():
     assert engine.graph_sizes == ()
 
 
+def test_graphs_need_the_plan_validation():
+    """Replays skip the cache-write ops' own checks of their slots: the engine's must be on."""
+    from pcppass.engine.runner import Engine
+    from pcppass.models import build_model
+
+    engine = Engine(build_model("llama", "tiny"), num_blocks=16, max_num_batched_tokens=16, max_model_len=64,
+                    validate=False)
+    with pytest.raises(ValueError, match="need the engine's plan validation"):
+        engine.capture_decode_graphs()
+
+
 def captured_step(meta: dict[str, torch.Tensor], caches: dict[str, torch.Tensor]) -> CapturedStep:
     # the refusal reads only the static tensors' metadata and the caches' addresses
     return CapturedStep(graph=None, input_ids=torch.zeros(4, dtype=torch.int64),
