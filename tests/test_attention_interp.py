@@ -80,6 +80,32 @@ def test_gqa_matches_reference(mode, table_in_registers, fp8):
     assert torch.equal(out[~step.live], torch.zeros_like(out[~step.live]))
 
 
+def sparse_picks(step, g: torch.Generator, picks: int = 6) -> torch.Tensor:
+    """Up to ``picks`` distinct visible positions per row, -1 where a row has fewer and on padding."""
+    t = step.rows.positions.shape[0]
+    index = torch.full((t, picks), -1, dtype=torch.int64)
+    for row, p in enumerate(step.rows.positions.tolist()):
+        chosen = torch.randperm(p + 1, generator=g)[:picks]
+        index[row, : chosen.numel()] = chosen
+    index[step.rows.is_padding] = -1
+    return index
+
+
+def check_mla_against_reference(latent: int, ds_mla: bool, sparse: bool, seed: int) -> None:
+    """MLA over the shared step (4 heads, 8 RoPE dims) against the reference."""
+    from pcppass.kernels.attention.launch import mla_attention
+
+    rope = 8
+    step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
+    cache = mla_cache(step, latent, rope, ds_mla)
+    g = torch.Generator().manual_seed(seed)
+    t = step.rows.positions.shape[0]
+    q_lat, q_pe = torch.randn(t, 4, latent, generator=g), torch.randn(t, 4, rope, generator=g)
+    index = sparse_picks(step, g) if sparse else None
+    out = mla_attention(q_lat, q_pe, cache, step.rows, 0.1, ds_mla, index)
+    close(out, reference_mla(step, q_lat, q_pe, cache, 0.1, latent, ds_mla, index), step.live)
+
+
 @pytest.mark.parametrize("ds_mla", [False, True])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_mla_matches_reference(mode, table_in_registers, ds_mla, sparse):
@@ -87,25 +113,10 @@ def test_mla_matches_reference(mode, table_in_registers, ds_mla, sparse):
     rows read their codes twice per program, the scores from a load of their own, and prefill
     tiles once: the per-row modes and the tile mode run both.)"""
     from pcppass.kernels.attention import launch
-    from pcppass.kernels.attention.launch import mla_attention
 
     assert launch.MLA_FP8_TILES.separate_loads and not launch.MLA_PREFILL_TILES.separate_loads
 
-    latent, rope = 128, 8
-    step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
-    cache = mla_cache(step, latent, rope, ds_mla)
-    g = torch.Generator().manual_seed(4)
-    t = step.rows.positions.shape[0]
-    q_lat, q_pe = torch.randn(t, 4, latent, generator=g), torch.randn(t, 4, rope, generator=g)
-    index = None
-    if sparse:  # up to 6 distinct visible positions per row, -1 where a row has fewer
-        index = torch.full((t, 6), -1, dtype=torch.int64)
-        for row, p in enumerate(step.rows.positions.tolist()):
-            picks = torch.randperm(p + 1, generator=g)[:6]
-            index[row, : picks.numel()] = picks
-        index[step.rows.is_padding] = -1
-    out = mla_attention(q_lat, q_pe, cache, step.rows, 0.1, ds_mla, index)
-    close(out, reference_mla(step, q_lat, q_pe, cache, 0.1, latent, ds_mla, index), step.live)
+    check_mla_against_reference(128, ds_mla, sparse, seed=4)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -115,25 +126,10 @@ def test_mla_dequantized_tiles_match_reference(mode, sparse, monkeypatch):
     from dataclasses import replace
 
     from pcppass.kernels.attention import launch
-    from pcppass.kernels.attention.launch import mla_attention
 
     for name in ("MLA_FP8_TILES", "MLA_PREFILL_TILES", "SPARSE_MLA_TILES"):
         monkeypatch.setattr(launch, name, replace(getattr(launch, name), dequant_tile=True))
-    latent, rope = 256, 8
-    step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
-    cache = mla_cache(step, latent, rope, True)
-    g = torch.Generator().manual_seed(5)
-    t = step.rows.positions.shape[0]
-    q_lat, q_pe = torch.randn(t, 4, latent, generator=g), torch.randn(t, 4, rope, generator=g)
-    index = None
-    if sparse:
-        index = torch.full((t, 6), -1, dtype=torch.int64)
-        for row, p in enumerate(step.rows.positions.tolist()):
-            picks = torch.randperm(p + 1, generator=g)[:6]
-            index[row, : picks.numel()] = picks
-        index[step.rows.is_padding] = -1
-    out = mla_attention(q_lat, q_pe, cache, step.rows, 0.1, True, index)
-    close(out, reference_mla(step, q_lat, q_pe, cache, 0.1, latent, True, index), step.live)
+    check_mla_against_reference(256, True, sparse, seed=5)
 
 
 @pytest.fixture(params=[False, True], ids=["table_loads", "table_in_registers"])
