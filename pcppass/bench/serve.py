@@ -241,7 +241,7 @@ def _capture_decode_graphs(engine, cfg: ServeBenchConfig) -> tuple[float | None,
         return None, None
     t0 = time.time()
     sizes = engine.capture_decode_graphs()
-    return round(time.time() - t0, 1), list(sizes) if sizes is not None else None
+    return round(time.time() - t0, 1), list(sizes)
 
 
 def _mean_ms(seconds: list[float]) -> float | None:

@@ -42,9 +42,10 @@ layout, and so the padded size, is the same on every rank), so their collectives
 
 A step that reads the device on the host cannot be captured (DeepSeek-V4's compressor store, the
 reference sync ops): a runner that can tell (``runner.capturable(step_kind) -> (ok, why)``, as
-:class:`pcppass.sharded.ShardedRunner` does from what its backend compiled) is asked before
-anything runs, since a failed capture of a sharded step aborts its process group; any other
-failure of a capture is raised as :class:`GraphCaptureError` too, naming the size and the cause.
+:class:`pcppass.sharded.ShardedRunner` does from what its backend compiled) is asked after its
+eager warm-up on the padding step and before the capture, since a failed capture of a sharded step
+aborts its process group; any other failure of a capture is raised as :class:`GraphCaptureError`
+too, naming the size and the cause.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from pcppass.engine.layout import LocalStep
 from pcppass.runtime import device_checks
 from pcppass.runtime.failstop import group_rank, raise_fail_stop
 from pcppass.runtime.state_checks import digest_forced
+
 
 class GraphCaptureError(RuntimeError):
     """The decode step cannot be captured in a CUDA graph (run the engine without decode graphs)."""
@@ -130,9 +132,6 @@ class CudaGraphRunner:
     def step_syncs(self) -> list:
         """The wrapped runner's log of per-step replica syncs (replays included); [] if it keeps none."""
         return getattr(self.runner, "step_syncs", [])
-
-    def sizes(self, step_kind: str = "decode") -> tuple[int, ...]:
-        return tuple(sorted(t for kind, t in self.graphs if kind == step_kind))
 
     # -- capture ---------------------------------------------------------------------------------
     def capture(self, local: LocalStep, caches: dict[str, torch.Tensor], step_kind: str = "decode") -> None:

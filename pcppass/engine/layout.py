@@ -15,7 +15,8 @@ Which rank runs what (:func:`plan_layout`):
 
 A rank's segments run decodes first, then prefills by row and chunk start. Every rank pads to the
 same token count ``T`` (the largest rank's count, at least 2, rounded up to a bucket when buckets
-are given; a decode-only step that fits a captured CUDA graph, up to that graph's size): padding rows have input id 0, position 0, slot -1 in every group, ``token_to_req`` 0.
+are given; a decode-only step that fits a captured CUDA graph, up to that graph's size): padding
+rows have input id 0, position 0, slot -1 in every group, ``token_to_req`` 0.
 After the step the local hidden rows are all-gathered (rank-major, ``P * T`` rows) and
 ``restore_index`` puts them back in global token order, taking a replicated row from rank 0::
 
