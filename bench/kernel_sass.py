@@ -1,0 +1,208 @@
+"""A decode kernel's machine code without a GPU: registers, spills, shared memory and the
+instruction mix of its main loop, compiled for an H100/H200 (sm_90) on any machine.
+
+    python bench/kernel_sass.py --kernels mla_fp8_ds_mla,mla_bf16,gqa_bf16,gqa_fp8 [--dump DIR]
+
+Each launcher runs on small CPU tensors with its kernel launch intercepted; the intercepted
+arguments are specialised as Triton's own launch would specialise them (the pointer and integer
+alignments, the integers equal to 1) and compiled with Triton's bundled ``ptxas`` for ``sm_90a``,
+then disassembled with its ``cuobjdump``. The loop is the longest backward branch of the SASS; its
+opcodes are counted once per iteration (per warp). The shapes are those of the decode launches
+(one program per row, several key splits), so the counts are those of the kernels
+``bench/attention_tiles.py`` times on the GPU. ``--dump DIR`` writes each kernel's TTGIR, PTX and
+SASS there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+
+from pcppass.kernels.attention import launch
+
+SM90 = GPUTarget("cuda", 90, 32)
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+@dataclass
+class Launch:
+    """One intercepted kernel launch: the jitted function and its arguments."""
+
+    fn: object
+    args: tuple
+    kwargs: dict
+
+
+class _Intercept:
+    """Stands in for :func:`launch.kernels`' module: records the first launch of ``name`` (every
+    other kernel, e.g. the split combine, is not run)."""
+
+    def __init__(self, module, name: str, found: list[Launch]):
+        self._module, self._name, self._found = module, name, found
+
+    def __getattr__(self, attr: str):
+        fn = getattr(self._module, attr)
+        found, wanted = self._found, attr == self._name
+
+        class Grid:
+            def __getitem__(self, grid):
+                def record(*args, **kwargs):
+                    if wanted and not found:
+                        found.append(Launch(fn, args, kwargs))
+                return record
+
+        return Grid()
+
+
+def intercept(run: Callable[[], object], kernel: str, module=None) -> Launch:
+    """The first launch of ``kernel`` (a function of ``module``, by default the attention kernels)
+    made by ``run()``."""
+    found: list[Launch] = []
+    real = launch.kernels
+    source = module or real()
+    launch.kernels = lambda name="triton_kernels": _Intercept(source, kernel, found)
+    try:
+        run()
+    finally:
+        launch.kernels = real
+    if not found:
+        raise RuntimeError(f"kernel_sass: no launch of {kernel}")
+    return found[0]
+
+
+def compile_launch(call: Launch, target: GPUTarget = SM90):
+    """``triton.compile`` of an intercepted launch for ``target``, specialised as a launch would."""
+    kwargs = dict(call.kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = dict(zip(call.fn.arg_names, call.args)) | kwargs
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(call.fn.params):
+        value = bound.get(param.name, param.default)
+        if param.is_constexpr:
+            signature[param.name], constexprs[(i,)] = "constexpr", value
+            continue
+        kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = value
+        elif attr:
+            attrs[(i,)] = BaseBackend.parse_attr(attr)
+    return triton.compile(ASTSource(call.fn, signature, constexprs, attrs), target=target, options=options)
+
+
+@dataclass
+class SassStats:
+    registers: int
+    stack_bytes: int
+    shared_bytes: int
+    loop_instructions: int
+    loop_opcodes: collections.Counter
+    sass: str
+
+    def row(self, top: int = 12) -> str:
+        mix = ", ".join(f"{op} {n}" for op, n in self.loop_opcodes.most_common(top))
+        return (f"{self.registers} registers, {self.stack_bytes} B stack, {self.shared_bytes} B shared; "
+                f"loop {self.loop_instructions} instructions: {mix}")
+
+
+def _tool(name: str, *args: str) -> str:
+    return subprocess.run([str(_BIN / name), *args], capture_output=True, text=True, check=True).stdout
+
+
+def _loop_opcodes(sass: str) -> tuple[int, collections.Counter]:
+    """Opcodes of the longest backward branch's body (the main loop), predicates dropped."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in
+            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    loops = [(int(m.group(1), 16), at) for at, text in code
+             if (m := re.search(r"BRA\s+0x([0-9a-f]+)", text)) and int(m.group(1), 16) < at]
+    if not loops:
+        return 0, collections.Counter()
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    body = [re.sub(r"^@!?U?P\w+\s+", "", text) for at, text in code if start <= at <= end]
+    return len(body), collections.Counter(text.split()[0].split(".")[0] for text in body)
+
+
+def sass_stats(kernel, dump: Path | None = None, tag: str = "kernel") -> SassStats:
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        Path(cubin).write_bytes(kernel.asm["cubin"])
+        sass = _tool("cuobjdump", "-sass", cubin)
+        usage = _tool("cuobjdump", "-res-usage", cubin)
+    fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", usage))
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            (dump / f"{tag}.{ext}").write_text(kernel.asm[ext])
+        (dump / f"{tag}.sass").write_text(sass)
+    count, opcodes = _loop_opcodes(sass)
+    return SassStats(int(fields.get("REG", 0)), int(fields.get("STACK", 0)), kernel.metadata.shared, count,
+                     opcodes, sass)
+
+
+def decode_step(rows: int = 2, context: int = 4096, block_size: int = 64):
+    """StepRows of ``rows`` decode rows at ``context`` on the CPU (several key splits)."""
+    cols = context // block_size
+    g = torch.Generator().manual_seed(0)
+    tables = torch.stack([1 + r * cols + torch.randperm(cols, generator=g) for r in range(rows)])
+    step = launch.StepRows(tables, torch.full((rows,), context - 1), torch.arange(rows), torch.arange(rows + 1),
+                           torch.zeros(rows, dtype=torch.bool))
+    return step, 1 + rows * cols
+
+
+def mla_case(ds_mla: bool, tiles: launch.MlaTiles | None = None) -> Launch:
+    """DeepSeek-V2's dense MLA decode launch (16 heads, 512 + 64) over a bf16 or fp8_ds_mla cache."""
+    from pcppass.kernels.quant import encode_ds_mla_rows
+
+    step, blocks = decode_step()
+    q_lat = torch.randn(2, 16, 512, dtype=torch.bfloat16)
+    q_pe = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    kv = torch.randn(blocks * 64, 576, dtype=torch.bfloat16)
+    cache = (encode_ds_mla_rows(kv[:, :512], kv[:, 512:]) if ds_mla else kv).view(blocks, 64, -1)
+    return intercept(lambda: launch.mla_attention(q_lat, q_pe, cache, step, 0.07, ds_mla, tiles=tiles), "mla_kernel")
+
+
+def gqa_case(fp8: bool) -> Launch:
+    """Llama-3.1-8B's GQA decode launch (32 q / 8 kv heads x 128) over bf16 or fp8 K/V."""
+    step, blocks = decode_step()
+    q = torch.randn(2, 32, 128, dtype=torch.bfloat16)
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    k = torch.randn(blocks, 64, 8, 128).to(dtype)
+    v = torch.randn(blocks, 64, 8, 128).to(dtype)
+    scales = (torch.tensor([1.0]), torch.tensor([1.0])) if fp8 else (None, None)
+    return intercept(lambda: launch.gqa_attention(q, k, v, step, 0.088, *scales), "gqa_kernel")
+
+
+CASES: dict[str, Callable[[], Launch]] = {
+    "mla_fp8_ds_mla": lambda: mla_case(True),
+    "mla_bf16": lambda: mla_case(False),
+    "gqa_bf16": lambda: gqa_case(False),
+    "gqa_fp8": lambda: gqa_case(True),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", default=",".join(CASES))
+    parser.add_argument("--dump", type=Path, default=None)
+    args = parser.parse_args()
+    for name in args.kernels.split(","):
+        stats = sass_stats(compile_launch(CASES[name]()), args.dump, name)
+        print(f"{name}: {stats.row()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
