@@ -86,7 +86,7 @@ def intercept(run: Callable[[], object], kernel: str, module=None) -> Launch:
 def compile_launch(call: Launch, target: GPUTarget = SM90):
     """``triton.compile`` of an intercepted launch for ``target``, specialised as a launch would."""
     kwargs = dict(call.kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     bound = dict(zip(call.fn.arg_names, call.args)) | kwargs
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(call.fn.params):
