@@ -276,43 +276,36 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8).reshape(cache.shape[0], cache.shape[1], -1)
 
 
-def slices_attention(q_lat, q_pe, cache, rows, scale: float, bn: int, stages: int, slices: int) -> torch.Tensor:
-    """:func:`ds_mla_slices_kernel` over the launcher's splits, merged by its combine kernel."""
+def _launch(kernel: str, q_lat, q_pe, cache, rows, scale: float, stages: int, warps: int, **shape) -> torch.Tensor:
+    """``KERNELS[kernel]`` over the launcher's splits (one program per row and split, all heads),
+    merged by the launcher's combine kernel."""
     from pcppass.kernels.attention import launch
 
     t, heads, lat = q_lat.shape
     flat, bs = _flat(cache), cache.shape[1]
     splits, split = -(-rows.tables.shape[1] * bs // launch.MLA_SPLIT), launch.MLA_SPLIT
     out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat)
-    KERNELS["slices"][(t, 1, splits)](
+    KERNELS[kernel][(t, 1, splits)](
         q_lat, q_pe, flat, flat.view(torch.float32), flat.view(torch.bfloat16), rows.tables, rows.positions,
         rows.token_to_req, rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
         rows.tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=bs, GROUP=heads, M=heads, BN=bn, L=lat, R=q_pe.shape[2], RW=max(16, q_pe.shape[2] // slices),
-        SPLIT=split, DIRECT=False, IEEE=False, NBLK=launch._split_blocks(True, split, bs), NS=slices, F16=True,
-        ASM=True, num_warps=slices, num_stages=stages)
-    launch._combine(out, part_o, part_ml, rows.is_padding, splits)
-    return out
-
-
-def wgmma_attention(q_lat, q_pe, cache, rows, scale: float, bn: int, stages: int, warps: int) -> torch.Tensor:
-    """:func:`ds_mla_wgmma_kernel` over the launcher's splits, merged by its combine kernel."""
-    from pcppass.kernels.attention import launch
-
-    t, heads, lat = q_lat.shape
-    flat, bs = _flat(cache), cache.shape[1]
-    splits, split = -(-rows.tables.shape[1] * bs // launch.MLA_SPLIT), launch.MLA_SPLIT
-    out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat)
-    KERNELS["wgmma"][(t, 1, splits)](
-        q_lat, q_pe, flat, flat.view(torch.float32), flat.view(torch.bfloat16), rows.tables, rows.positions,
-        rows.token_to_req, rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
-        rows.tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=bs, GROUP=heads, M=heads, BN=bn, L=lat, SPLIT=split, NBLK=launch._split_blocks(True, split, bs),
+        BLOCK_SIZE=bs, GROUP=heads, M=heads, L=lat, SPLIT=split, NBLK=launch._split_blocks(True, split, bs), **shape,
         num_warps=warps, num_stages=stages)
     launch._combine(out, part_o, part_ml, rows.is_padding, splits)
     return out
+
+
+def slices_attention(q_lat, q_pe, cache, rows, scale: float, bn: int, stages: int, slices: int) -> torch.Tensor:
+    """:func:`ds_mla_slices_kernel` (bf16 queries: float16 dots), one warp per slice."""
+    rope = q_pe.shape[2]
+    return _launch("slices", q_lat, q_pe, cache, rows, scale, stages, slices, BN=bn, R=rope,
+                   RW=max(16, rope // slices), DIRECT=False, IEEE=False, NS=slices, F16=True, ASM=True)
+
+
+def wgmma_attention(q_lat, q_pe, cache, rows, scale: float, bn: int, stages: int, warps: int) -> torch.Tensor:
+    """:func:`ds_mla_wgmma_kernel`."""
+    return _launch("wgmma", q_lat, q_pe, cache, rows, scale, stages, warps, BN=bn)
 
 
 #: (name, launch(q_lat, q_pe, cache, rows, scale)) of every variant timed; shapes as swept by hand
