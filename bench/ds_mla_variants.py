@@ -263,6 +263,8 @@ def ds_mla_wgmma_kernel(
 
 
 def _outputs(rows, heads: int, lat: int, splits: int, like: torch.Tensor):
+    """(out, partial outputs, partial max/sum) on ``like``'s device: both kernels always write
+    partials, where :func:`launch._outputs` gives a single split no partial buffers."""
     return (torch.empty(rows, heads, lat, dtype=like.dtype, device=like.device),
             torch.empty(rows * heads * splits * lat, dtype=torch.float32, device=like.device),
             torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=like.device))
@@ -356,19 +358,10 @@ def sass_rows() -> list[dict]:
     """Each kernel compiled for sm_90 from CPU tensors (``bench/kernel_sass.py``)."""
     import kernel_sass
 
-    from pcppass.kernels.attention.launch import MLA_FP8_TILES
-
-    out = [{"kernel": "mla_kernel (launcher default)", **_stats(kernel_sass.mla_case(True, MLA_FP8_TILES))}]
-    step, blocks = kernel_sass.decode_step()
-    from pcppass.kernels.quant import encode_ds_mla_rows
-
-    q_lat = torch.randn(2, 16, 512, dtype=torch.bfloat16)
-    q_pe = torch.randn(2, 16, 64, dtype=torch.bfloat16)
-    kv = torch.randn(blocks * 64, 576, dtype=torch.bfloat16)
-    cache = encode_ds_mla_rows(kv[:, :512], kv[:, 512:]).view(blocks, 64, -1)
+    out = [{"kernel": "mla_kernel (launcher default)", **_stats(kernel_sass.mla_case(True))}]
+    inputs = kernel_sass.mla_inputs(True)
     for name, run in VARIANTS:
-        call = _intercepted(lambda run=run: run(q_lat, q_pe, cache, step, 0.07))
-        out.append({"kernel": name, **_stats(call)})
+        out.append({"kernel": name, **_stats(_intercepted(lambda run=run: run(*inputs, 0.07)))})
     return out
 
 
@@ -379,16 +372,8 @@ def _intercepted(run):
     from pcppass.kernels.attention import launch
 
     found: list = []
-
-    class Record:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: found or found.append(kernel_sass.Launch(self.fn, args, kwargs))
-
     saved, combine = dict(KERNELS), launch._combine
-    KERNELS.update({name: Record(fn) for name, fn in saved.items()})
+    KERNELS.update({name: kernel_sass.Recorder(fn, found) for name, fn in saved.items()})
     launch._combine = lambda *args: None
     try:
         run()

@@ -46,34 +46,37 @@ class Launch:
     kwargs: dict
 
 
+class Recorder:
+    """Stands in for a jitted kernel: ``recorder[grid](*args, **kwargs)`` records the first launch
+    into ``found`` (when ``wanted``) and runs nothing."""
+
+    def __init__(self, fn, found: list[Launch], wanted: bool = True):
+        self.fn, self.found, self.wanted = fn, found, wanted
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            if self.wanted and not self.found:
+                self.found.append(Launch(self.fn, args, kwargs))
+        return record
+
+
 class _Intercept:
-    """Stands in for :func:`launch.kernels`' module: records the first launch of ``name`` (every
-    other kernel, e.g. the split combine, is not run)."""
+    """Stands in for :func:`launch.kernels`' module: every kernel a :class:`Recorder`, only
+    ``name``'s launch recorded (the others, e.g. the split combine, do not run)."""
 
     def __init__(self, module, name: str, found: list[Launch]):
         self._module, self._name, self._found = module, name, found
 
-    def __getattr__(self, attr: str):
-        fn = getattr(self._module, attr)
-        found, wanted = self._found, attr == self._name
-
-        class Grid:
-            def __getitem__(self, grid):
-                def record(*args, **kwargs):
-                    if wanted and not found:
-                        found.append(Launch(fn, args, kwargs))
-                return record
-
-        return Grid()
+    def __getattr__(self, attr: str) -> Recorder:
+        return Recorder(getattr(self._module, attr), self._found, attr == self._name)
 
 
-def intercept(run: Callable[[], object], kernel: str, module=None) -> Launch:
-    """The first launch of ``kernel`` (a function of ``module``, by default the attention kernels)
-    made by ``run()``."""
+def intercept(run: Callable[[], object], kernel: str) -> Launch:
+    """The first launch of the attention kernel ``kernel`` made by ``run()``."""
     found: list[Launch] = []
     real = launch.kernels
-    source = module or real()
-    launch.kernels = lambda name="triton_kernels": _Intercept(source, kernel, found)
+    module = real()
+    launch.kernels = lambda name="triton_kernels": _Intercept(module, kernel, found)
     try:
         run()
     finally:
@@ -110,7 +113,6 @@ class SassStats:
     shared_bytes: int
     loop_instructions: int
     loop_opcodes: collections.Counter
-    sass: str
 
     def row(self, top: int = 12) -> str:
         mix = ", ".join(f"{op} {n}" for op, n in self.loop_opcodes.most_common(top))
@@ -148,8 +150,7 @@ def sass_stats(kernel, dump: Path | None = None, tag: str = "kernel") -> SassSta
             (dump / f"{tag}.{ext}").write_text(kernel.asm[ext])
         (dump / f"{tag}.sass").write_text(sass)
     count, opcodes = _loop_opcodes(sass)
-    return SassStats(int(fields.get("REG", 0)), int(fields.get("STACK", 0)), kernel.metadata.shared, count,
-                     opcodes, sass)
+    return SassStats(int(fields.get("REG", 0)), int(fields.get("STACK", 0)), kernel.metadata.shared, count, opcodes)
 
 
 def decode_step(rows: int = 2, context: int = 4096, block_size: int = 64):
@@ -162,8 +163,9 @@ def decode_step(rows: int = 2, context: int = 4096, block_size: int = 64):
     return step, 1 + rows * cols
 
 
-def mla_case(ds_mla: bool, tiles: launch.MlaTiles | None = None) -> Launch:
-    """DeepSeek-V2's dense MLA decode launch (16 heads, 512 + 64) over a bf16 or fp8_ds_mla cache."""
+def mla_inputs(ds_mla: bool) -> tuple:
+    """(q_lat, q_pe, cache, step) of DeepSeek-V2's dense MLA decode (16 heads, 512 + 64) on the
+    CPU, over a bf16 or fp8_ds_mla cache."""
     from pcppass.kernels.quant import encode_ds_mla_rows
 
     step, blocks = decode_step()
@@ -171,7 +173,13 @@ def mla_case(ds_mla: bool, tiles: launch.MlaTiles | None = None) -> Launch:
     q_pe = torch.randn(2, 16, 64, dtype=torch.bfloat16)
     kv = torch.randn(blocks * 64, 576, dtype=torch.bfloat16)
     cache = (encode_ds_mla_rows(kv[:, :512], kv[:, 512:]) if ds_mla else kv).view(blocks, 64, -1)
-    return intercept(lambda: launch.mla_attention(q_lat, q_pe, cache, step, 0.07, ds_mla, tiles=tiles), "mla_kernel")
+    return q_lat, q_pe, cache, step
+
+
+def mla_case(ds_mla: bool) -> Launch:
+    """The launcher's dense MLA decode launch over :func:`mla_inputs`."""
+    q_lat, q_pe, cache, step = mla_inputs(ds_mla)
+    return intercept(lambda: launch.mla_attention(q_lat, q_pe, cache, step, 0.07, ds_mla), "mla_kernel")
 
 
 def gqa_case(fp8: bool) -> Launch:
