@@ -1,4 +1,4 @@
-"""Two restructurings of dense fp8_ds_mla MLA decode, timed beside the launcher's kernel on one GPU.
+"""Restructurings of dense fp8_ds_mla MLA decode, timed beside the launcher's kernel on one GPU.
 
     python bench/ds_mla_variants.py --rows 32,64 --context 16384,32768 --out bench/results --tag h200
     python bench/ds_mla_variants.py --sass      # no GPU: registers and the loop's instructions (sm_90)
@@ -8,8 +8,9 @@ The launcher's kernel (:func:`pcppass.kernels.attention.triton_kernels.mla_kerne
 Compute and its SASS (``bench/kernel_sass.py``) show why: 1577 instructions per warp per 32-key
 tile (each code converted twice through float32, the values' operand read from shared memory one
 byte at a time, the probabilities moved between warps), 255 registers with spills, two programs
-of 4 warps per SM, each scheduler issuing every other cycle at best. The two kernels here remove
-most of that work; neither is faster, so neither is in the package:
+of 4 warps per SM, each scheduler issuing every other cycle at best. The two Triton kernels here
+remove most of that work and are not faster; the Gluon kernels (``bench/ds_mla_gluon.py``) are
+what overlapping the work takes:
 
 * ``slices`` (:func:`ds_mla_slices_kernel`): the latent dims cut into one slice per warp, every dot
   batched over the slices (a batched dot puts its batch on the warps), so each warp converts its
@@ -20,6 +21,9 @@ most of that work; neither is faster, so neither is in the package:
   key with a small scale carries most of the weight its probability underflows float16.
 * ``wgmma`` (:func:`ds_mla_wgmma_kernel`): Hopper's warp-group MMA, keys as the scores' M and
   dims as the values' M.
+* ``gluon_*``: each tile dequantised once into shared memory where both MMAs read it, by one warp
+  group in turn (``gluon_one_group``) or by dequant warps beside MMA warps (``gluon_ws``,
+  ``gluon_ws_f16``: warp specialisation; see that module).
 
 Each kernel is timed from CUDA-graph replays (median) on the same inputs as the launcher's; its
 output is compared with the launcher's (max relative error). Writes
@@ -36,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds_mla_gluon import ds_mla_one_group_kernel, ds_mla_ws_f16_kernel, ds_mla_ws_kernel
 from pcppass.kernels.attention.triton_kernels import (
     e4m3,
     fdot,
@@ -271,7 +276,8 @@ def _outputs(rows, heads: int, lat: int, splits: int, like: torch.Tensor):
 
 
 #: the kernels the launch functions below call (looked up at each call, so --sass can record them)
-KERNELS = {"slices": ds_mla_slices_kernel, "wgmma": ds_mla_wgmma_kernel}
+KERNELS = {"slices": ds_mla_slices_kernel, "wgmma": ds_mla_wgmma_kernel, "gluon_one_group": ds_mla_one_group_kernel,
+           "gluon_ws": ds_mla_ws_kernel, "gluon_ws_f16": ds_mla_ws_f16_kernel}
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:
@@ -310,6 +316,12 @@ def wgmma_attention(q_lat, q_pe, cache, rows, scale: float, bn: int, stages: int
     return _launch("wgmma", q_lat, q_pe, cache, rows, scale, stages, warps, BN=bn)
 
 
+def gluon_attention(kernel: str, q_lat, q_pe, cache, rows, scale: float, **options) -> torch.Tensor:
+    """A ``bench/ds_mla_gluon.py`` kernel: 64-key tiles, 4 warps (plus 4 dequant warps when
+    warp-specialised)."""
+    return _launch(kernel, q_lat, q_pe, cache, rows, scale, 1, 4, BN=64, **options)
+
+
 #: (name, launch(q_lat, q_pe, cache, rows, scale)) of every variant timed; shapes as swept by hand
 #: (slices: 64-key tiles or 8 slices measured slower in attention_tiles sweeps; wgmma: 3 stages
 #: do not fit shared memory)
@@ -320,6 +332,12 @@ VARIANTS = [
 ] + [
     (f"wgmma, 64 keys, 2 stages, {warps} warps", lambda *a, warps=warps: wgmma_attention(*a, 64, 2, warps))
     for warps in (4, 8)
+] + [
+    ("gluon, one warp group, 64 keys", lambda *a: gluon_attention("gluon_one_group", *a)),
+    ("gluon warp-specialised: 4 dequant + 4 MMA warps, bf16 tiles", lambda *a: gluon_attention(
+        "gluon_ws", *a, DEQUANT_REGS=192)),
+    ("gluon warp-specialised, float16 codes, scales on scores and probabilities", lambda *a: gluon_attention(
+        "gluon_ws_f16", *a, DEQUANT_REGS=168)),
 ]
 
 
@@ -395,7 +413,7 @@ def markdown(result: dict) -> str:
     from pcppass.bench.kernels import DATASHEET_HBM
 
     env = result["environment"]
-    lines = ["# Dense fp8_ds_mla MLA decode: the launcher's kernel and two restructurings", "",
+    lines = ["# Dense fp8_ds_mla MLA decode: the launcher's kernel and its restructurings", "",
              f"{env.get('date', '')} · {env.get('device', '')} · torch {env.get('torch', '')} · "
              f"triton {env.get('triton', '')} · CUDA-graph replays, median", ""]
     for shape in result["shapes"]:

@@ -30,6 +30,7 @@ import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from pcppass.kernels.attention import launch
 
@@ -87,7 +88,8 @@ def intercept(run: Callable[[], object], kernel: str) -> Launch:
 
 
 def compile_launch(call: Launch, target: GPUTarget = SM90):
-    """``triton.compile`` of an intercepted launch for ``target``, specialised as a launch would."""
+    """``triton.compile`` of an intercepted launch for ``target``, specialised as a launch would
+    (Triton or Gluon kernels)."""
     kwargs = dict(call.kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     bound = dict(zip(call.fn.arg_names, call.args)) | kwargs
@@ -103,7 +105,8 @@ def compile_launch(call: Launch, target: GPUTarget = SM90):
             constexprs[(i,)] = value
         elif attr:
             attrs[(i,)] = BaseBackend.parse_attr(attr)
-    return triton.compile(ASTSource(call.fn, signature, constexprs, attrs), target=target, options=options)
+    source = GluonASTSource if call.fn.is_gluon() else ASTSource
+    return triton.compile(source(call.fn, signature, constexprs, attrs), target=target, options=options)
 
 
 @dataclass

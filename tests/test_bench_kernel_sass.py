@@ -1,6 +1,7 @@
 """bench/kernel_sass.py and ``bench/ds_mla_variants.py --sass`` on a machine without a GPU: the decode
 kernels compile for sm_90 from CPU tensors and their loops show what the GPU runs (tensor-core
-MMAs, fp8 conversions, Hopper's warp-group MMA for the wgmma variant)."""
+MMAs, fp8 conversions, Hopper's warp-group MMA for the wgmma variant and the Gluon kernels, and the
+Gluon warp-specialised kernel's register split between its partitions)."""
 
 import re
 import subprocess
@@ -31,6 +32,29 @@ def test_dense_kernels_compile_for_sm90_and_show_their_loops():
 def test_ds_mla_variants_compile_for_sm90():
     out = run("ds_mla_variants.py", "--sass")
     rows = dict(re.findall(r"^(.*?): (\d+ registers.*)$", out, re.M))
-    assert len(rows) == 7, out
-    assert all("0 B stack" in row for name, row in rows.items() if name.startswith("wgmma")), rows
-    assert all("HGMMA" in row for name, row in rows.items() if name.startswith("wgmma")), rows
+    assert len(rows) == 10, out
+    assert all("0 B stack" in row for name, row in rows.items() if name.startswith(("wgmma", "gluon warp"))), rows
+    assert all("HGMMA" in row for name, row in rows.items() if name.startswith(("wgmma", "gluon, one"))), rows
+
+
+def test_gluon_warp_specialised_kernel_splits_its_registers_and_fits_an_sm():
+    out = run("-c", """
+import os, tempfile, re
+import kernel_sass, ds_mla_variants as v
+call = v._intercepted(lambda: v.gluon_attention("gluon_ws", *kernel_sass.mla_inputs(True), 0.07, DEQUANT_REGS=192))
+kernel = kernel_sass.compile_launch(call)
+stats = kernel_sass.sass_stats(kernel)
+with tempfile.TemporaryDirectory() as tmp:
+    cubin = os.path.join(tmp, "k.cubin")
+    open(cubin, "wb").write(kernel.asm["cubin"])
+    sass = kernel_sass._tool("cuobjdump", "-sass", cubin)
+print("stack", stats.stack_bytes, "shared", stats.shared_bytes)
+print("regs", sorted({int(m, 16) for m in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?0x([0-9a-f]+)", sass)}))
+print("hgmma", sass.count("HGMMA"), "ldgsts", sass.count("LDGSTS"), "syncs", sass.count("SYNCS"))
+""")
+    stack, shared = map(int, re.search(r"stack (\d+) shared (\d+)", out).groups())
+    assert stack == 0 and shared <= 227 * 1024, out  # no spills; one program fits an SM's shared memory
+    regs = eval(re.search(r"regs (\[.*\])", out).group(1))
+    assert 192 in regs and max(regs) > 192, out  # dequant warps 192 registers, MMA warps the rest
+    hgmma, ldgsts, syncs = map(int, re.search(r"hgmma (\d+) ldgsts (\d+) syncs (\d+)", out).groups())
+    assert hgmma >= 68 and ldgsts > 0 and syncs > 0, out  # warp-group MMAs, cp.async, mbarrier waits
