@@ -2,6 +2,7 @@
 
     python bench/ds_mla_variants.py --rows 32,64 --context 16384,32768 --out bench/results --tag h200
     python bench/ds_mla_variants.py --sass      # no GPU: registers and the loop's instructions (sm_90)
+    python bench/ds_mla_variants.py --gluon-splits 1024,2048,4096 --rows 32,64 --context 16384,32768
 
 The launcher's kernel (:func:`pcppass.kernels.attention.triton_kernels.mla_kernel` at
 ``MLA_FP8_TILES``) reads DeepSeek-V2-width fp8_ds_mla rows at 27-28% of HBM bandwidth. Nsight
@@ -372,6 +373,46 @@ def measure(rows: int, context: int, reps: int) -> dict:
     return {"rows": rows, "context": context, "floor_bytes": rows * context * 656, "kernels": entries}
 
 
+def split_sweep(rows: int, context: int, splits: list[int], registers: list[int], reps: int) -> list[dict]:
+    """``gluon_ws`` at each keys-per-split (the launcher's ``MLA_SPLIT``) and dequant-warp register
+    count, against the launcher's output."""
+    from pcppass.bench.kernels import mla_inputs
+    from pcppass.kernels.attention import launch
+
+    q_lat, q_pe, step, caches = mla_inputs(rows, context)
+    cache = caches[True]
+    want = launch.mla_attention(q_lat, q_pe, cache, step, 0.07, True)
+    default, out = launch.MLA_SPLIT, []
+    for split, regs in itertools.product(splits, registers):
+        def run(regs=regs):
+            return gluon_attention("gluon_ws", q_lat, q_pe, cache, step, 0.07, DEQUANT_REGS=regs)
+        launch.MLA_SPLIT = split
+        try:
+            err = float((run().float() - want.float()).abs().max() / want.float().abs().max())
+            out.append({"rows": rows, "context": context, "split": split, "registers": regs, "us": _time(run, reps),
+                        "rel_err": err, "floor_bytes": rows * context * 656})
+        finally:
+            launch.MLA_SPLIT = default
+    return out
+
+
+def split_markdown(result: dict) -> str:
+    from pcppass.bench.kernels import DATASHEET_HBM
+
+    env = result["environment"]
+    lines = ["# Warp-specialised Gluon fp8_ds_mla dense MLA: keys per split and dequant registers", "",
+             f"{env.get('date', '')} · {env.get('device', '')} · torch {env.get('torch', '')} · "
+             f"triton {env.get('triton', '')} · CUDA-graph replays, median · `ds_mla_ws_kernel`, 64-key tiles; "
+             "error against the launcher's output", "",
+             "| rows | context | keys per split | dequant registers | µs | % of HBM | rel. error |",
+             "|---|---|---|---|---|---|---|"]
+    for e in result["sweep"]:
+        floor = e["floor_bytes"] / DATASHEET_HBM * 1e6
+        lines.append(f"| {e['rows']} | {e['context']} | {e['split']} | {e['registers']} | {e['us']:.1f} | "
+                     f"{100 * floor / e['us']:.0f} | {e['rel_err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def sass_rows() -> list[dict]:
     """Each kernel compiled for sm_90 from CPU tensors (``bench/kernel_sass.py``)."""
     import kernel_sass
@@ -446,9 +487,19 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="h200")
     parser.add_argument("--sass", action="store_true", help="only compile for sm_90 and print (no GPU needed)")
+    parser.add_argument("--gluon-splits", default="", help="only sweep gluon_ws over these keys per split")
+    parser.add_argument("--gluon-registers", default="192,232", help="dequant-warp registers for --gluon-splits")
     args = parser.parse_args()
     from pcppass.bench.environment import environment
     from pcppass.bench.results import write
+
+    shapes = list(itertools.product(map(int, args.rows.split(",")), map(int, args.context.split(","))))
+    if args.gluon_splits:
+        splits, registers = (list(map(int, v.split(","))) for v in (args.gluon_splits, args.gluon_registers))
+        sweep = [e for rows, context in shapes for e in split_sweep(rows, context, splits, registers, args.reps)]
+        result = {"environment": environment(), "config": vars(args), "sweep": sweep}
+        print(write(args.out, f"ds_mla_gluon_splits_{args.tag}", result, split_markdown))
+        return 0
 
     sass = sass_rows()
     if args.sass:
@@ -457,7 +508,7 @@ def main() -> int:
                   f"{e['loop_instructions']} instructions {e['loop_opcodes']}")
         return 0
     result = {"environment": environment(), "config": vars(args), "sass": sass, "shapes": []}
-    for rows, context in itertools.product(map(int, args.rows.split(",")), map(int, args.context.split(","))):
+    for rows, context in shapes:
         result["shapes"].append(measure(rows, context, args.reps))
         torch.cuda.empty_cache()
     print(write(args.out, f"ds_mla_variants_{args.tag}", result, markdown))
