@@ -29,6 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 @gluon.jit
 def _pow2_scales(amax):
+    """:func:`pcppass.kernels.attention.triton_kernels.pow2_lane_scales` for Gluon (a Gluon kernel
+    cannot call a Triton ``@jit`` function): per head, ``(2^k, 2^-k)`` putting ``amax`` in
+    [2^14, 2^15)."""
     exponent = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
     k = gl.minimum(gl.maximum(14 - exponent, -126), 126)
     up = ((k + 127) << 23).to(gl.float32, bitcast=True)
@@ -39,6 +42,7 @@ def _pow2_scales(amax):
 @gluon.jit
 def _tile_bases(table, start, hi, BN: gl.constexpr, BLOCK_SIZE: gl.constexpr, stride_b, stride_s,
                 layout: gl.constexpr):
+    """Each key's byte offset in the cache for keys ``[start, start + BN)``, and which are ``< hi``."""
     j = start + gl.arange(0, BN, layout=layout)
     jm = j < hi
     block = gl.load(table + j // BLOCK_SIZE, mask=jm, other=0)
@@ -59,6 +63,7 @@ def _copy_codes(raw, SCALES, table, start, hi, stride_b, stride_s, BN: gl.conste
 @gluon.jit
 def _scales_rope(SCALES, ROPE, table, start, hi, stride_b, stride_s, BN: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                  L: gl.constexpr, codes_l: gl.constexpr, rope_l: gl.constexpr):
+    """A key tile's four chunk scales (float32, per key) and its RoPE values (bf16 [BN, 64])."""
     base, jm = _tile_bases(table, start, hi, BN, BLOCK_SIZE, stride_b, stride_s, gl.SliceLayout(1, codes_l))
     base_r, jrm = _tile_bases(table, start, hi, BN, BLOCK_SIZE, stride_b, stride_s, gl.SliceLayout(1, rope_l))
     r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
@@ -69,30 +74,6 @@ def _scales_rope(SCALES, ROPE, table, start, hi, stride_b, stride_s, BN: gl.cons
     s3 = gl.load(sc + 3, mask=jm, other=0.0)
     pe = gl.load(ROPE + (base_r // 2)[:, None] + (L + 16) // 2 + r[None, :], mask=jrm[:, None], other=0.0)
     return s0, s1, s2, s3, pe
-
-
-@gluon.jit
-def _dequant(k, s):
-    """32-bit words of four e4m3 codes [BN, W] -> bf16 values times their key's scale [BN, 4W]."""
-    c0, c1, c2, c3 = gl.inline_asm_elementwise(
-        """{
-        .reg .b16 lo, hi, h0, h1, h2, h3;
-        .reg .b32 a, b;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        cvt.rn.f16x2.e4m3x2 b, hi;
-        mov.b32 {h0, h1}, a;
-        mov.b32 {h2, h3}, b;
-        cvt.f32.f16 $0, h0;
-        cvt.f32.f16 $1, h1;
-        cvt.f32.f16 $2, h2;
-        cvt.f32.f16 $3, h3;
-        }""",
-        "=r,=r,=r,=r,r", [k], dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1)
-    lo = gl.join((c0 * s[:, None]).to(gl.bfloat16), (c1 * s[:, None]).to(gl.bfloat16))
-    hi = gl.join((c2 * s[:, None]).to(gl.bfloat16), (c3 * s[:, None]).to(gl.bfloat16))
-    v = gl.permute(gl.join(lo, hi), (0, 1, 3, 2))
-    return gl.reshape(v, [v.shape[0], v.shape[1] * 4])
 
 
 @gluon.jit
@@ -111,6 +92,13 @@ def _codes_f16(k):
         "=h,=h,=h,=h,r", [k], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
     v = gl.permute(gl.join(gl.join(c0, c1), gl.join(c2, c3)), (0, 1, 3, 2))
     return gl.reshape(v, [v.shape[0], v.shape[1] * 4])
+
+
+@gluon.jit
+def _dequant(k, s):
+    """32-bit words of four e4m3 codes [BN, W] -> bf16 values times their key's scale [BN, 4W]."""
+    v = _codes_f16(k)
+    return (v.to(gl.float32) * gl.convert_layout(s, gl.SliceLayout(1, v.type.layout))[:, None]).to(gl.bfloat16)
 
 
 @gluon.jit
