@@ -37,6 +37,7 @@ from pcppass.bench.kernels import V32, gqa_inputs, mla_inputs  # noqa: E402
 from pcppass.bench.results import pyplot, write  # noqa: E402
 from pcppass.kernels.attention.launch import (  # noqa: E402
     SPARSE_MLA_TILES,
+    SPARSE_MLA_TRITON_TILES,
     SPARSE_SPLITS,
     decode_rows_per_rank,
     gqa_attention,
@@ -64,21 +65,25 @@ def v32_row(rows: int, context: int, reps: int) -> dict:
     def sparse(s, tiles):
         return mla_attention(s.q_lat, s.q_pe, s.mcache, s.step, 0.07, True, s.picked, tiles=tiles)
 
-    want = sparse(s0, replace(SPARSE_MLA_TILES, sparse_split=1024))
+    want = sparse(s0, replace(SPARSE_MLA_TRITON_TILES, sparse_split=1024))
     for split in SPARSE_SPLITS:
-        tiles = replace(SPARSE_MLA_TILES, sparse_split=split)
-        out[f"sparse_mla_{split}"] = time_calls([lambda s=s, t=tiles: sparse(s, t) for s in sets], reps)
-        out[f"sparse_mla_{split}_rel_err"] = rel_err(sparse(s0, tiles), want)
+        for suffix, kernel_tiles in (("", SPARSE_MLA_TILES), ("_triton", SPARSE_MLA_TRITON_TILES)):
+            tiles = replace(kernel_tiles, sparse_split=split)
+            out[f"sparse_mla_{split}{suffix}"] = time_calls([lambda s=s, t=tiles: sparse(s, t) for s in sets], reps)
+            out[f"sparse_mla_{split}{suffix}_rel_err"] = rel_err(sparse(s0, tiles), want)
     with decode_rows_per_rank(rows):
         out["sparse_split_chosen"] = sparse_tiles(s0.q_lat.shape[1], s0.picked.shape[1], s0.q_lat.device).sparse_split
 
-    def chain(s):
+    def chain(s, triton_only=False):
         picked = select_topk_triton(indexer_scores(s.q, s.w, s.icache, s.step, V32.dim), V32.topk)
-        return mla_attention(s.q_lat, s.q_pe, s.mcache, s.step, 0.07, True, picked)
+        tiles = sparse_tiles(s.q_lat.shape[1], V32.topk, s.q_lat.device)
+        return mla_attention(s.q_lat, s.q_pe, s.mcache, s.step, 0.07, True, picked,
+                             tiles=replace(tiles, gluon=False) if triton_only else tiles)
 
     out["v32_chain_fixed_split"] = time_calls([lambda s=s: chain(s) for s in sets], reps)
     with decode_rows_per_rank(rows):
         out["v32_chain"] = time_calls([lambda s=s: chain(s) for s in sets], reps)
+        out["v32_chain_triton"] = time_calls([lambda s=s: chain(s, True) for s in sets], reps)
     return out
 
 
@@ -94,9 +99,11 @@ def dense_row(rows: int, context: int, reps: int) -> dict:
 
 KERNELS = [("indexer", "V3.2 indexer"), ("topk", "top-2048, candidates by parts"),
            ("topk_one_program", "top-2048, one program per row"), *[
-               (f"sparse_mla_{s}", f"sparse MLA, {s} picks per split") for s in SPARSE_SPLITS],
+               (f"sparse_mla_{s}", f"sparse MLA, {s} picks per split") for s in SPARSE_SPLITS], *[
+               (f"sparse_mla_{s}_triton", f"sparse MLA, Triton kernel, {s} picks per split") for s in SPARSE_SPLITS],
            ("v32_chain_fixed_split", "indexer + top-k + sparse MLA, 1024 picks per split"),
            ("v32_chain", "indexer + top-k + sparse MLA, split chosen for the rows"),
+           ("v32_chain_triton", "the same with the Triton sparse MLA kernel"),
            ("gqa_bf16", "GQA bf16 (Llama-3.1-8B widths)"), ("mla_bf16", "dense MLA bf16 (DeepSeek-V2 widths)")]
 
 
@@ -117,11 +124,13 @@ def markdown(result: dict) -> str:
     lines += ["", "Split chosen for the rows (`sparse_split_for`): "
               + ", ".join(f"{n} rows: {rows[n]['sparse_split_chosen']}" for n in counts) + "; top-k picks equal both "
               "ways: " + ", ".join(f"{n} rows: {rows[n]['topk_picks_equal']}" for n in counts) + "; sparse MLA's "
-              "error against 1024 picks per split, largest: " + f"{max(rows[n][f'sparse_mla_{s}_rel_err'] for n in counts for s in SPARSE_SPLITS):.1e}", ""]
+              "error against the Triton kernel at 1024 picks per split, largest: Gluon "
+              + f"{max(rows[n][f'sparse_mla_{s}_rel_err'] for n in counts for s in SPARSE_SPLITS):.1e}, Triton "
+              + f"{max(rows[n][f'sparse_mla_{s}_triton_rel_err'] for n in counts for s in SPARSE_SPLITS):.1e}", ""]
     return "\n".join(lines)
 
 
-PLOTTED = ["topk_one_program", "topk", "sparse_mla_1024", "v32_chain_fixed_split", "v32_chain"]
+PLOTTED = ["topk_one_program", "topk", "sparse_mla_1024_triton", "sparse_mla_1024", "v32_chain_triton", "v32_chain"]
 
 
 def plot(result: dict, path: Path) -> bool:

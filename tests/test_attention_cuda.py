@@ -167,7 +167,7 @@ def test_fp8_ds_mla_dequantized_tiles(sparse):
     cache = mla_cache(step, 512, 64, True, device="cuda")
     q_lat = torch.randn(t, heads, 512, device="cuda", dtype=torch.bfloat16)
     q_pe = torch.randn(t, heads, 64, device="cuda", dtype=torch.bfloat16)
-    tiles = replace(SPARSE_MLA_TILES if sparse else MLA_FP8_TILES, dequant_tile=True)
+    tiles = replace(SPARSE_MLA_TILES if sparse else MLA_FP8_TILES, dequant_tile=True, gluon=False)  # the Triton kernel
     out = mla_attention(q_lat, q_pe, cache, step.rows, 0.07, True, picked, tiles=tiles)
     err = rel_err(out, reference_mla(step, q_lat, q_pe, cache, 0.07, 512, True, picked), step.live)
     print(f"{'sparse' if sparse else 'dense'} fp8_ds_mla, dequantised tiles: error {err:.1e}")

@@ -83,6 +83,7 @@ class MlaTiles:
     table_in_registers: bool = True  # per-row splits: see triton_kernels.split_blocks
     separate_loads: bool = False  # dense fp8_ds_mla rows: see triton_kernels.latent_scores
     dequant_tile: bool = False  # fp8_ds_mla rows: see triton_kernels.dequantized_latent
+    gluon: bool = False  # sparse fp8_ds_mla rows on Hopper: gluon_kernels.sparse_mla_kernel (see gluon_sparse_fits)
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -102,7 +103,9 @@ INDEXER_TILES = IndexerTiles()
 MLA_TILES = MlaTiles(bn=64, stages=2)
 MLA_FP8_TILES = MlaTiles(bn=32, stages=3, separate_loads=True)
 MLA_PREFILL_TILES = MlaTiles()
-SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, dequant_tile=True)
+SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, dequant_tile=True, gluon=True)
+#: the same launches with the Triton kernel only (what runs off Hopper)
+SPARSE_MLA_TRITON_TILES = dataclasses.replace(SPARSE_MLA_TILES, gluon=False)
 
 
 #: picks per split of a sparse MLA row that :func:`sparse_split_for` chooses from, largest first
@@ -166,6 +169,21 @@ def mla_tiles(row_mode: bool, ds_mla: bool, sparse: bool) -> MlaTiles:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def gluon_sparse_fits(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, ds_mla: bool) -> bool:
+    """Whether sparse MLA runs :func:`pcppass.kernels.attention.gluon_kernels.sparse_mla_kernel`:
+    compiled Triton (not the interpreter) on a Hopper GPU (sm_90: warp-group MMA and 227 KB of
+    shared memory per program), fp8_ds_mla rows of DeepSeek's widths (512 latent + 64 RoPE dims)
+    starting at multiples of 16 bytes (16-byte copies), bf16 queries, heads in blocks of 64."""
+    from triton import knobs
+
+    size = cache.element_size()
+    return (ds_mla and q_lat.is_cuda and not knobs.runtime.interpret
+            and torch.cuda.get_device_capability(q_lat.device) == (9, 0)
+            and q_lat.dtype == q_pe.dtype == torch.bfloat16 and q_lat.shape[2] == 512 and q_pe.shape[2] == 64
+            and q_lat.shape[1] % 64 == 0 and cache.shape[-1] * size == 656 and cache.data_ptr() % 16 == 0
+            and cache.stride(0) * size % 16 == 0 and cache.stride(1) * size % 16 == 0)
 
 
 def kernels(name: str = "triton_kernels") -> ModuleType:
@@ -374,7 +392,10 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     else:
         flat = scales = rope_bytes = cache
     bm = schedule.rows_per_tile
-    if schedule.count:
+    if sparse and tiles.gluon and gluon_sparse_fits(q_lat, q_pe, cache, ds_mla):
+        _sparse_mla_gluon(q_lat, q_pe, flat, rows, index, out, part_o, part_ml, scale, splits,
+                          tiles.sparse_split if splits == 1 else split)
+    elif schedule.count:
         kernels().mla_kernel[(schedule.count, heads // group, splits)](
             q_lat, q_pe, flat, scales, rope_bytes, rows.tables, *rows.tile_args(schedule),
             index if sparse else rows.positions, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
@@ -393,6 +414,21 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
     return out
+
+
+def _sparse_mla_gluon(q_lat, q_pe, flat, rows: StepRows, index, out, part_o, part_ml, scale: float, splits: int,
+                      split: int) -> None:
+    """:func:`~pcppass.kernels.attention.gluon_kernels.sparse_mla_kernel` over fp8_ds_mla rows
+    ``flat [nb, bs, 656]`` (uint8): one program per (row, 64 heads, split of ``split`` picks)."""
+    t, heads, _ = q_lat.shape
+    if t:
+        kernels("gluon_kernels").sparse_mla_kernel[(t, heads // 64, splits)](
+            q_lat, q_pe, flat.view(torch.float32), flat.view(torch.bfloat16), rows.tables, rows.token_to_req,
+            rows.is_padding, index, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads, index.shape[1],
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
+            rows.tables.stride(0), index.stride(0), out.stride(0), out.stride(1),
+            BLOCK_SIZE=flat.shape[1], SPLIT=split, DIRECT=splits == 1, num_warps=8,
+        )
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, rows: StepRows,

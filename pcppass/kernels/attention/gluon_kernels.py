@@ -1,0 +1,351 @@
+"""Gluon kernels of :mod:`pcppass.kernels.attention` (Hopper only: warp-group MMA, mbarriers,
+``cp.async``, warp specialisation), launched by :mod:`pcppass.kernels.attention.launch` on sm_90.
+
+:func:`sparse_mla_kernel` is DeepSeek-V3.2's sparse MLA decode over an fp8_ds_mla cache: each row
+attends to its top-k picks (128 heads, 512 latent + 64 RoPE dims). With 64 heads per program it is
+bound by the tensor cores, not by memory (2048 picks of 656 bytes against 128 heads x 1088 dims of
+MMA work per pick), so what matters is keeping the MMAs fed: the dequantisation of each key tile
+runs in warps of its own, beside the MMA warps, and costs about one instruction per code.
+
+Program (row, block of 64 heads, split of the picks); 32-key tiles:
+
+* **dequant warps** (4): the split's cache-row offsets are looked up once (pick -> block table ->
+  byte offset, into shared memory); then each tile's rows are copied into a ring of three raw
+  slots (``cp.async``, two tiles in flight) and converted into the free slot of a ring of two
+  float16 tiles: ``code x scale / F`` (one ``cvt`` and one ``mul`` per two codes), where ``F`` is
+  the power of two that puts the tile's largest value in [2^14, 2^15); the RoPE values are copied
+  as they are (bf16).
+* **MMA warps** (8, two warp groups splitting each MMA's N): scores ``q_lat . kv`` (float16, the
+  query scaled per head by a power of two into float16's range) plus ``q_pe . k_pe`` (bf16) into
+  two float32 accumulators, the online softmax, then ``p @ kv`` into four 64 x 128 float32
+  accumulators; the accumulators stay in units of the last tile's ``F`` and are rescaled with the
+  softmax's factor.
+
+Numerics: every e4m3 code is a float16 exactly; ``code x scale / F`` rounds once to float16 (11
+bits, where the Triton kernel's bf16 rounds to 8) for every value whose scale is within 2^12 of its
+tile's largest (smaller scales lose bits gradually, their values staying exact to 2^-38 of the
+tile's largest value); probabilities are float16 (at most 1, rounding at 2^-11); the accumulation
+is float32. A query value below 2^-28 of its head's largest rounds (as fp8 GQA's float16 dots).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+#: keys per tile, heads per program, latent dims and their quantisation tile, RoPE dims
+SPARSE_BN = 32
+SPARSE_HEADS = 64
+LATENT = 512
+ROPE = 64
+#: registers of each dequant thread (the 8 MMA warps take the rest of the register file)
+DEQUANT_REGS = 112
+
+
+@gluon.jit
+def _pow2_scales(amax):
+    """Per head, ``(2^k, 2^-k)`` putting ``amax`` in [2^14, 2^15) (``k`` clamped to [-126, 126], as
+    :func:`pcppass.kernels.attention.triton_kernels.pow2_lane_scales`; a Gluon kernel cannot call a
+    Triton ``@jit`` function)."""
+    exponent = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = gl.minimum(gl.maximum(14 - exponent, -126), 126)
+    up = ((k + 127) << 23).to(gl.float32, bitcast=True)
+    down = ((127 - k) << 23).to(gl.float32, bitcast=True)
+    return up, down
+
+
+@gluon.jit
+def _tile_unit(largest_scale):
+    """``(F, 1/F)`` of a key tile: the power of two with ``largest_scale / F`` in [64, 128), so
+    its largest value (at most 448 x scale) is below 2^15 as float16; 1 for a tile of zero scales
+    (all picks unused). The exponent is clamped to [-40, 40], so the ratio of two tiles' units,
+    which rescales the accumulators, stays far inside float32's range."""
+    exponent = ((largest_scale.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = gl.where(largest_scale > 0.0, gl.minimum(gl.maximum(exponent - 6, -40), 40), 0)
+    unit = ((e + 127) << 23).to(gl.float32, bitcast=True)
+    inverse = ((127 - e) << 23).to(gl.float32, bitcast=True)
+    return unit, inverse
+
+
+@gluon.jit
+def _scaled_codes(words, scale):
+    """32-bit words of four e4m3 codes ``[BN, W]`` times ``scale`` (float16x2 bits, per key) ->
+    float16 ``[BN, 4W]``: two ``cvt`` and two ``mul.f16x2`` per word."""
+    c0, c1, c2, c3 = gl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        .reg .b32 a, b;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mul.rn.f16x2 a, a, $5;
+        mul.rn.f16x2 b, b, $5;
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        }""",
+        "=h,=h,=h,=h,r,r", [words, scale], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
+        pack=1)
+    v = gl.permute(gl.join(gl.join(c0, c1), gl.join(c2, c3)), (0, 1, 3, 2))
+    return gl.reshape(v, [v.shape[0], v.shape[1] * 4])
+
+
+@gluon.jit
+def _half2_bits(x):
+    """float32 ``x`` as float16, its 16 bits twice in one 32-bit word (an ``f16x2`` operand)."""
+    bits = x.to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@gluon.jit
+def _row_offsets(INDEX, TABLES, table_row, row, lo, hi, stride_it, stride_b, stride_s, bases,
+                 SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr):
+    """The split's picks as cache byte offsets into ``bases [SPLIT // BN, BN]`` (-1: an unused pick)."""
+    layout: gl.constexpr = gl.BlockedLayout([SPLIT // 128], [32], [4], [0])
+    n = gl.arange(0, SPLIT, layout=layout)
+    live = lo + n < hi
+    pick = gl.load(INDEX + row * stride_it + lo + n, mask=live, other=-1).to(gl.int64)
+    used = pick >= 0
+    safe = gl.where(used, pick, 0)
+    block = gl.load(TABLES + table_row + safe // BLOCK_SIZE, mask=used, other=0).to(gl.int64)
+    bases._reinterpret(gl.int64, [SPLIT], gl.SwizzledSharedLayout(1, 1, 1, [0])).store(gl.where(used, block * stride_b + (safe % BLOCK_SIZE) * stride_s, -1))
+
+
+@gluon.jit
+def _copy_rows(CODES, ROPE_VALUES, bases, raw_codes, raw_scales, raw_rope, tile, raw, L: gl.constexpr,
+               BN: gl.constexpr):
+    """``cp.async`` of the cache rows of tile ``bases[tile]`` into raw slot ``raw``: codes
+    ``[BN, L/4]`` words, each 128-dim chunk's scales ``raw_scales[4 raw + c]``, RoPE values
+    ``[BN, 64]``; unused picks are filled with zeros."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
+    offset = bases.index(tile).load(keys_l)
+    used = offset >= 0
+    # cache rows start at multiples of 16 bytes (the launcher checks): 16-byte copies
+    base = gl.multiple_of(gl.where(used, offset, 0), [16])
+    w = gl.arange(0, L // 4, layout=gl.SliceLayout(0, codes_l))
+    async_copy.async_copy_global_to_shared(raw_codes.index(raw), CODES + (base // 4)[:, None] + w[None, :],
+                                           mask=used[:, None])
+    for c in gl.static_range(4):
+        async_copy.async_copy_global_to_shared(raw_scales.index(4 * raw + c), CODES + base // 4 + L // 4 + c, mask=used)
+    base_r = gl.convert_layout(base, gl.SliceLayout(1, rope_l))
+    r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
+    async_copy.async_copy_global_to_shared(raw_rope.index(raw),
+                                           ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None] + r[None, :],
+                                           mask=gl.convert_layout(used, gl.SliceLayout(1, rope_l))[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _dequant_chunk(raw_codes, c: gl.constexpr, scale, dst):
+    """Latent chunk ``c`` (128 dims) of a raw tile, each key's codes times its ``scale`` (already
+    divided by the tile's unit), as float16 into ``dst [BN, 128]``."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    words = raw_codes.slice(c * 32, 32, dim=1).load(codes_l)
+    dst.store(_scaled_codes(words, _half2_bits(gl.convert_layout(scale, gl.SliceLayout(1, codes_l)))[:, None]))
+
+
+@gluon.jit
+def _dequant_warps(INDEX, TABLES, CODES, ROPE_VALUES, table_row, row, lo, hi, stride_it, stride_b, stride_s,
+                   bases, raw_codes, raw_scales, raw_rope, kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty,
+                   SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr,
+                   M: gl.constexpr):
+    """4 warps: the split's row offsets once, then per tile: copy two tiles ahead into the raw
+    ring, convert this one into the free float16 slot with its RoPE values and its unit ``F``."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
+    _row_offsets(INDEX, TABLES, table_row, row, lo, hi, stride_it, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE,
+                 BN)
+    n_tiles = gl.cdiv(hi - lo, BN)
+    for pre in gl.static_range(2):  # two tiles in flight before the first is converted
+        if pre < n_tiles:
+            _copy_rows(CODES, ROPE_VALUES, bases, raw_codes, raw_scales, raw_rope, pre, pre, L, BN)
+        else:
+            async_copy.commit_group()
+    for i in range(n_tiles):
+        raw = i % 3
+        async_copy.wait_group(1)
+        s0 = raw_scales.index(4 * raw).load(keys_l)
+        s1 = raw_scales.index(4 * raw + 1).load(keys_l)
+        s2 = raw_scales.index(4 * raw + 2).load(keys_l)
+        s3 = raw_scales.index(4 * raw + 3).load(keys_l)
+        unit, inverse = _tile_unit(gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
+        if i + 2 < n_tiles:  # into the slot read two tiles ago
+            _copy_rows(CODES, ROPE_VALUES, bases, raw_codes, raw_scales, raw_rope, i + 2, (i + 2) % 3, L, BN)
+        else:
+            async_copy.commit_group()
+        slot = i % 2
+        mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
+        _dequant_chunk(raw_codes.index(raw), 0, s0 * inverse, kv_bufs.index(slot * 4))
+        _dequant_chunk(raw_codes.index(raw), 1, s1 * inverse, kv_bufs.index(slot * 4 + 1))
+        _dequant_chunk(raw_codes.index(raw), 2, s2 * inverse, kv_bufs.index(slot * 4 + 2))
+        _dequant_chunk(raw_codes.index(raw), 3, s3 * inverse, kv_bufs.index(slot * 4 + 3))
+        pe_bufs.index(slot).store(raw_rope.index(raw).load(rope_l))
+        unit_bufs.index(slot).store(gl.zeros([M], gl.float32, unit_l) + unit)
+        fence_async_shared()
+        mbarrier.arrive(kv_ready.index(slot), count=1)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
+                   M: gl.constexpr, rows_l: gl.constexpr):
+    """The 64 heads' latent queries as float16 (four 128-dim chunks), each head scaled by the power
+    of two that puts its largest value in [2^14, 2^15), and their RoPE queries (bf16); returns the
+    factors that undo the scaling, per head."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+    qh = gl.arange(0, M, layout=gl.SliceLayout(1, q_l))
+    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_l))
+    rq = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
+    q_at = Q_LAT + row * stride_qt + (head0 + qh)[:, None] * stride_qh + qd[None, :]
+    amax = gl.max(gl.abs(gl.load(q_at).to(gl.float32)), axis=1)
+    for c in gl.static_range(1, 4):
+        amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_at + c * 128).to(gl.float32)), axis=1))
+    up, down = _pow2_scales(amax)
+    for c in gl.static_range(4):
+        q_smem.index(c).store((gl.load(q_at + c * 128).to(gl.float32) * up[:, None]).to(gl.float16))
+    qpe_smem.store(gl.load(Q_PE + row * stride_pt + (head0 + qh)[:, None] * stride_ph + rq[None, :]))
+    fence_async_shared()
+    return gl.convert_layout(down, rows_l)
+
+
+@gluon.jit
+def _store_result(o0, o1, o2, o3, m_i, l_i, OUT, PART_O, PART_ML, row, head0, num_heads, num_splits, split,
+                  stride_ot, stride_oh, L: gl.constexpr, M: gl.constexpr, DIRECT: gl.constexpr,
+                  o_l: gl.constexpr):
+    """The normalised output (``DIRECT``: one split) or this split's partial output (float32,
+    unnormalised) with its running max and sum."""
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    heads = head0 + gl.arange(0, M, layout=rows_o)
+    dims = gl.arange(0, 128, layout=gl.SliceLayout(0, o_l))
+    if DIRECT:
+        inv = gl.convert_layout(1.0 / gl.where(l_i == 0.0, 1.0, l_i), rows_o)[:, None]
+        at = OUT + row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        gl.store(at, (o0 * inv).to(OUT.dtype.element_ty))
+        gl.store(at + 128, (o1 * inv).to(OUT.dtype.element_ty))
+        gl.store(at + 256, (o2 * inv).to(OUT.dtype.element_ty))
+        gl.store(at + 384, (o3 * inv).to(OUT.dtype.element_ty))
+    else:
+        part = (row * num_heads + heads) * num_splits + split
+        at = PART_O + part[:, None] * L + dims[None, :]
+        gl.store(at, o0)
+        gl.store(at + 128, o1)
+        gl.store(at + 256, o2)
+        gl.store(at + 384, o3)
+        part_s = gl.convert_layout(part, m_i.type.layout)
+        gl.store(PART_ML + part_s * 2, m_i)
+        gl.store(PART_ML + part_s * 2 + 1, l_i)
+
+
+@gluon.jit
+def _mma_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
+               stride_qt, stride_qh, stride_pt, stride_ph, stride_ot, stride_oh, bases, q_smem, qpe_smem, p_smem,
+               kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty, BN: gl.constexpr, L: gl.constexpr, M: gl.constexpr,
+               DIRECT: gl.constexpr):
+    """8 warps (two warp groups, each MMA's N split between them): per tile the scores, the online
+    softmax and the values; then the split's result."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    down = _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, M,
+                          rows_s)
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.full([M], 0.0, gl.float32, layout=rows_s)
+    g = gl.full([M], 1.0, gl.float32, layout=rows_s)  # the unit the accumulators are in
+    o0 = gl.zeros([M, 128], gl.float32, layout=o_l)
+    o1 = gl.zeros([M, 128], gl.float32, layout=o_l)
+    o2 = gl.zeros([M, 128], gl.float32, layout=o_l)
+    o3 = gl.zeros([M, 128], gl.float32, layout=o_l)
+    zero = gl.zeros([M, BN], gl.float32, layout=s_l)
+    n_tiles = gl.cdiv(hi - lo, BN)
+    for i in range(n_tiles):
+        slot = i % 2
+        first = slot * 4
+        mbarrier.wait(kv_ready.index(slot), (i // 2) & 1)
+        s_pe = warpgroup_mma(qpe_smem, pe_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_lat = warpgroup_mma(q_smem.index(0), kv_bufs.index(first).permute((1, 0)), zero, use_acc=False,
+                              is_async=True)
+        s_lat = warpgroup_mma(q_smem.index(1), kv_bufs.index(first + 1).permute((1, 0)), s_lat, is_async=True)
+        s_lat = warpgroup_mma(q_smem.index(2), kv_bufs.index(first + 2).permute((1, 0)), s_lat, is_async=True)
+        s_lat = warpgroup_mma(q_smem.index(3), kv_bufs.index(first + 3).permute((1, 0)), s_lat, is_async=True)
+        s_pe, s_lat = warpgroup_mma_wait(0, deps=(s_pe, s_lat))
+        unit = unit_bufs.index(slot).load(rows_s)
+        used = bases.index(i).load(gl.SliceLayout(0, s_l)) >= 0
+        s = (s_lat * (down * unit)[:, None] + s_pe) * qk_scale
+        s = gl.where(used[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(gl.float16))
+        fence_async_shared()
+        # rescaled before the first MMA is issued: a register written between asynchronous MMAs
+        # makes ptxas serialise them
+        f = gl.convert_layout(alpha * (g / unit), rows_o)[:, None]
+        o0 = o0 * f
+        o1 = o1 * f
+        o2 = o2 * f
+        o3 = o3 * f
+        o0 = warpgroup_mma(p_smem, kv_bufs.index(first), o0, is_async=True)
+        o1 = warpgroup_mma(p_smem, kv_bufs.index(first + 1), o1, is_async=True)
+        o2 = warpgroup_mma(p_smem, kv_bufs.index(first + 2), o2, is_async=True)
+        o3 = warpgroup_mma(p_smem, kv_bufs.index(first + 3), o3, is_async=True)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+        g = unit
+    gu = gl.convert_layout(g, rows_o)[:, None]
+    _store_result(o0 * gu, o1 * gu, o2 * gu, o3 * gu, m_i, l_i, OUT, PART_O, PART_ML, row, head0, num_heads,
+                  num_splits, split, stride_ot, stride_oh, L, M, DIRECT, o_l)
+
+
+@gluon.jit
+def sparse_mla_kernel(
+    Q_LAT, Q_PE, CODES, ROPE_VALUES, TABLES, TOKEN_TO_REQ, IS_PADDING, INDEX, OUT, PART_O, PART_ML, qk_scale,
+    num_splits, num_heads, index_len,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_it, stride_ot, stride_oh,
+    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, DIRECT: gl.constexpr, BN: gl.constexpr = SPARSE_BN,
+    M: gl.constexpr = SPARSE_HEADS, L: gl.constexpr = LATENT, DEQUANT_WARP_REGS: gl.constexpr = DEQUANT_REGS,
+):
+    """Sparse MLA decode over fp8_ds_mla rows, program (row, block of ``M`` heads, split of
+    ``SPLIT`` picks): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the logical positions
+    ``INDEX[row, split * SPLIT:][:SPLIT]`` (``-1``: unused). ``CODES`` / ``ROPE_VALUES``: the cache's
+    bytes as float32 words / bf16 values (strides in bytes). See the module docstring."""
+    row = gl.program_id(0).to(gl.int64)
+    head0 = gl.program_id(1) * M
+    split = gl.program_id(2)
+    lo = split * SPLIT
+    hi = gl.minimum(lo + SPLIT, index_len)
+    hi = gl.where(gl.load(IS_PADDING + row) == 0, hi, lo)
+    table_row = gl.load(TOKEN_TO_REQ + row).to(gl.int64) * stride_table
+    f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BN, element_bitwidth=16, rank=2)
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_smem = gl.allocate_shared_memory(gl.float16, [4, M, 128], f16_sl)
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [M, 64], f16_sl)
+    kv_bufs = gl.allocate_shared_memory(gl.float16, [8, BN, 128], f16_sl)
+    pe_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], f16_sl)
+    p_smem = gl.allocate_shared_memory(gl.float16, [M, BN], p_sl)
+    unit_bufs = gl.allocate_shared_memory(gl.float32, [2, M], plain1)
+    raw_codes = gl.allocate_shared_memory(gl.int32, [3, BN, L // 4], plain2)
+    raw_scales = gl.allocate_shared_memory(gl.float32, [3 * 4, BN], plain1)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [3, BN, 64], plain2)
+    bases = gl.allocate_shared_memory(gl.int64, [SPLIT // BN, BN], plain1)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(2):
+        mbarrier.init(kv_ready.index(b), count=1)
+        mbarrier.init(kv_empty.index(b), count=1)
+    gl.warp_specialize([
+        (_mma_warps, (Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
+                      stride_qt, stride_qh, stride_pt, stride_ph, stride_ot, stride_oh, bases, q_smem, qpe_smem,
+                      p_smem, kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty, BN, L, M, DIRECT)),
+        (_dequant_warps, (INDEX, TABLES, CODES, ROPE_VALUES, table_row, row, lo, hi, stride_it, stride_b, stride_s,
+                          bases, raw_codes, raw_scales, raw_rope, kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty,
+                          SPLIT, BLOCK_SIZE, BN, L, M)),
+    ], [4], [DEQUANT_WARP_REGS])
