@@ -164,7 +164,7 @@ def test_sparse_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_mat
     a row whose picks are all unused gives zeros."""
     from pcppass.kernels.attention import launch
 
-    many = make_step([(1, 2500 + 53 * i) for i in range(41)], 0, 64, 64, device="cuda")
+    many = make_step([(1, 2500 + 53 * i) for i in range(41)], 0, 64, 80, device="cuda")
     r = many.rows
     first = launch.StepRows(r.tables[:1], r.positions[:1], r.token_to_req[:1], r.query_start_loc[:2],
                             r.is_padding[:1])

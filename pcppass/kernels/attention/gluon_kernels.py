@@ -38,8 +38,9 @@ SPARSE_BN = 32
 SPARSE_HEADS = 64
 LATENT = 512
 ROPE = 64
-#: registers of each dequant thread (the 8 MMA warps take the rest of the register file)
-DEQUANT_REGS = 112
+#: registers of each values thread and each dequant thread (the scores warps take the rest)
+VALUES_REGS = 168
+DEQUANT_REGS = 104
 
 
 @gluon.jit
@@ -195,7 +196,7 @@ def _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, str
     """The 64 heads' latent queries as float16 (four 128-dim chunks), each head scaled by the power
     of two that puts its largest value in [2^14, 2^15), and their RoPE queries (bf16); returns the
     factors that undo the scaling, per head."""
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     qh = gl.arange(0, M, layout=gl.SliceLayout(1, q_l))
     qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_l))
     rq = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
@@ -212,42 +213,34 @@ def _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, str
 
 
 @gluon.jit
-def _store_result(o0, o1, o2, o3, m_i, l_i, OUT, PART_O, PART_ML, row, head0, num_heads, num_splits, split,
-                  stride_ot, stride_oh, L: gl.constexpr, M: gl.constexpr, DIRECT: gl.constexpr,
-                  o_l: gl.constexpr):
-    """The normalised output (``DIRECT``: one split) or this split's partial output (float32,
-    unnormalised) with its running max and sum."""
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    heads = head0 + gl.arange(0, M, layout=rows_o)
-    dims = gl.arange(0, 128, layout=gl.SliceLayout(0, o_l))
+def _store_half(o0, o1, scale, OUT, PART_O, row, head0, num_heads, num_splits, split, stride_ot, stride_oh,
+                first: gl.constexpr, L: gl.constexpr, M: gl.constexpr, DIRECT: gl.constexpr, o_l: gl.constexpr):
+    """Latent chunks ``first`` and ``first + 1`` (128 dims each) of the output times ``scale`` (per
+    head): normalised into ``OUT`` (``DIRECT``: one split) or into this split's partial output."""
+    heads = head0 + gl.arange(0, M, layout=gl.SliceLayout(1, o_l))
+    dims = first * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, o_l))
+    f = scale[:, None]
     if DIRECT:
-        inv = gl.convert_layout(1.0 / gl.where(l_i == 0.0, 1.0, l_i), rows_o)[:, None]
         at = OUT + row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-        gl.store(at, (o0 * inv).to(OUT.dtype.element_ty))
-        gl.store(at + 128, (o1 * inv).to(OUT.dtype.element_ty))
-        gl.store(at + 256, (o2 * inv).to(OUT.dtype.element_ty))
-        gl.store(at + 384, (o3 * inv).to(OUT.dtype.element_ty))
+        gl.store(at, (o0 * f).to(OUT.dtype.element_ty))
+        gl.store(at + 128, (o1 * f).to(OUT.dtype.element_ty))
     else:
-        part = (row * num_heads + heads) * num_splits + split
-        at = PART_O + part[:, None] * L + dims[None, :]
-        gl.store(at, o0)
-        gl.store(at + 128, o1)
-        gl.store(at + 256, o2)
-        gl.store(at + 384, o3)
-        part_s = gl.convert_layout(part, m_i.type.layout)
-        gl.store(PART_ML + part_s * 2, m_i)
-        gl.store(PART_ML + part_s * 2 + 1, l_i)
+        at = PART_O + ((row * num_heads + heads) * num_splits + split)[:, None] * L + dims[None, :]
+        gl.store(at, o0 * f)
+        gl.store(at + 128, o1 * f)
 
 
 @gluon.jit
-def _mma_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
-               stride_qt, stride_qh, stride_pt, stride_ph, stride_ot, stride_oh, bases, q_smem, qpe_smem, p_smem,
-               kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty, BN: gl.constexpr, L: gl.constexpr, M: gl.constexpr,
-               DIRECT: gl.constexpr):
-    """8 warps (two warp groups, each MMA's N split between them): per tile the scores, the online
-    softmax and the values; then the split's result."""
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
+def _scores_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
+                  stride_qt, stride_qh, stride_pt, stride_ph, stride_ot, stride_oh, bases, q_smem, qpe_smem, p_bufs,
+                  f_bufs, l_buf, kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty, p_ready, p_free, done,
+                  BN: gl.constexpr, L: gl.constexpr, M: gl.constexpr, DIRECT: gl.constexpr):
+    """One warp group: per tile the scores (its MMAs' N the whole tile, so the query is read from
+    shared memory once per tile), the online softmax (every row inside this warp group), the
+    probabilities and the accumulators' factor for :func:`_values_warps`, then the values of latent
+    chunks 0 and 1; at the end the split's running max and sum, and its half of the result."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
     down = _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, M,
@@ -257,14 +250,14 @@ def _mma_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scale, 
     g = gl.full([M], 1.0, gl.float32, layout=rows_s)  # the unit the accumulators are in
     o0 = gl.zeros([M, 128], gl.float32, layout=o_l)
     o1 = gl.zeros([M, 128], gl.float32, layout=o_l)
-    o2 = gl.zeros([M, 128], gl.float32, layout=o_l)
-    o3 = gl.zeros([M, 128], gl.float32, layout=o_l)
     zero = gl.zeros([M, BN], gl.float32, layout=s_l)
-    n_tiles = gl.cdiv(hi - lo, BN)
-    for i in range(n_tiles):
+    for i in range(gl.cdiv(hi - lo, BN)):
         slot = i % 2
+        phase = (i // 2) & 1
         first = slot * 4
-        mbarrier.wait(kv_ready.index(slot), (i // 2) & 1)
+        mbarrier.wait(kv_ready.index(slot), phase)
+        unit = unit_bufs.index(slot).load(rows_s)
+        used = bases.index(i).load(gl.SliceLayout(0, s_l)) >= 0
         s_pe = warpgroup_mma(qpe_smem, pe_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
         s_lat = warpgroup_mma(q_smem.index(0), kv_bufs.index(first).permute((1, 0)), zero, use_acc=False,
                               is_async=True)
@@ -272,8 +265,6 @@ def _mma_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scale, 
         s_lat = warpgroup_mma(q_smem.index(2), kv_bufs.index(first + 2).permute((1, 0)), s_lat, is_async=True)
         s_lat = warpgroup_mma(q_smem.index(3), kv_bufs.index(first + 3).permute((1, 0)), s_lat, is_async=True)
         s_pe, s_lat = warpgroup_mma_wait(0, deps=(s_pe, s_lat))
-        unit = unit_bufs.index(slot).load(rows_s)
-        used = bases.index(i).load(gl.SliceLayout(0, s_l)) >= 0
         s = (s_lat * (down * unit)[:, None] + s_pe) * qk_scale
         s = gl.where(used[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -282,25 +273,64 @@ def _mma_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scale, 
         p = gl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
-        p_smem.store(p.to(gl.float16))
+        factor = alpha * (g / unit)
+        g = unit
+        mbarrier.wait(p_free.index(slot), phase ^ 1)  # the values warps are done with tile i - 2's
+        p_bufs.index(slot).store(p.to(gl.float16))
+        f_bufs.index(slot).store(factor)
         fence_async_shared()
+        mbarrier.arrive(p_ready.index(slot), count=1)
         # rescaled before the first MMA is issued: a register written between asynchronous MMAs
         # makes ptxas serialise them
-        f = gl.convert_layout(alpha * (g / unit), rows_o)[:, None]
+        f = gl.convert_layout(factor, rows_o)[:, None]
         o0 = o0 * f
         o1 = o1 * f
+        o0 = warpgroup_mma(p_bufs.index(slot), kv_bufs.index(first), o0, is_async=True)
+        o1 = warpgroup_mma(p_bufs.index(slot), kv_bufs.index(first + 1), o1, is_async=True)
+        o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+    if DIRECT:
+        l_buf.store(l_i)
+        mbarrier.arrive(done, count=1)
+        scale = g / gl.where(l_i == 0.0, 1.0, l_i)
+    else:
+        part = (row * num_heads + head0 + gl.arange(0, M, layout=rows_s)) * num_splits + split
+        gl.store(PART_ML + part * 2, m_i)
+        gl.store(PART_ML + part * 2 + 1, l_i)
+        scale = g
+    _store_half(o0, o1, gl.convert_layout(scale, rows_o), OUT, PART_O, row, head0, num_heads, num_splits, split,
+                stride_ot, stride_oh, 0, L, M, DIRECT, o_l)
+
+
+@gluon.jit
+def _values_warps(OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, p_bufs,
+                  f_bufs, l_buf, kv_bufs, unit_bufs, kv_empty, p_ready, p_free, done, BN: gl.constexpr,
+                  L: gl.constexpr, M: gl.constexpr, DIRECT: gl.constexpr):
+    """One warp group: the values of latent chunks 2 and 3 from :func:`_scores_warps`'
+    probabilities and factors, and that half of the result."""
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    g = gl.full([M], 1.0, gl.float32, layout=rows_o)
+    o2 = gl.zeros([M, 128], gl.float32, layout=o_l)
+    o3 = gl.zeros([M, 128], gl.float32, layout=o_l)
+    for i in range(gl.cdiv(hi - lo, BN)):
+        slot = i % 2
+        mbarrier.wait(p_ready.index(slot), (i // 2) & 1)
+        f = f_bufs.index(slot).load(rows_o)[:, None]
+        g = unit_bufs.index(slot).load(rows_o)
         o2 = o2 * f
         o3 = o3 * f
-        o0 = warpgroup_mma(p_smem, kv_bufs.index(first), o0, is_async=True)
-        o1 = warpgroup_mma(p_smem, kv_bufs.index(first + 1), o1, is_async=True)
-        o2 = warpgroup_mma(p_smem, kv_bufs.index(first + 2), o2, is_async=True)
-        o3 = warpgroup_mma(p_smem, kv_bufs.index(first + 3), o3, is_async=True)
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        o2 = warpgroup_mma(p_bufs.index(slot), kv_bufs.index(slot * 4 + 2), o2, is_async=True)
+        o3 = warpgroup_mma(p_bufs.index(slot), kv_bufs.index(slot * 4 + 3), o3, is_async=True)
+        o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
+        mbarrier.arrive(p_free.index(slot), count=1)
         mbarrier.arrive(kv_empty.index(slot), count=1)
-        g = unit
-    gu = gl.convert_layout(g, rows_o)[:, None]
-    _store_result(o0 * gu, o1 * gu, o2 * gu, o3 * gu, m_i, l_i, OUT, PART_O, PART_ML, row, head0, num_heads,
-                  num_splits, split, stride_ot, stride_oh, L, M, DIRECT, o_l)
+    if DIRECT:
+        mbarrier.wait(done, 0)
+        l_i = l_buf.load(rows_o)
+        g = g / gl.where(l_i == 0.0, 1.0, l_i)
+    _store_half(o2, o3, g, OUT, PART_O, row, head0, num_heads, num_splits, split, stride_ot, stride_oh, 2, L, M,
+                DIRECT, o_l)
 
 
 @gluon.jit
@@ -309,7 +339,8 @@ def sparse_mla_kernel(
     num_splits, num_heads, index_len,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_it, stride_ot, stride_oh,
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, DIRECT: gl.constexpr, BN: gl.constexpr = SPARSE_BN,
-    M: gl.constexpr = SPARSE_HEADS, L: gl.constexpr = LATENT, DEQUANT_WARP_REGS: gl.constexpr = DEQUANT_REGS,
+    M: gl.constexpr = SPARSE_HEADS, L: gl.constexpr = LATENT, VALUES_WARP_REGS: gl.constexpr = VALUES_REGS,
+    DEQUANT_WARP_REGS: gl.constexpr = DEQUANT_REGS,
 ):
     """Sparse MLA decode over fp8_ds_mla rows, program (row, block of ``M`` heads, split of
     ``SPLIT`` picks): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the logical positions
@@ -330,7 +361,9 @@ def sparse_mla_kernel(
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [M, 64], f16_sl)
     kv_bufs = gl.allocate_shared_memory(gl.float16, [8, BN, 128], f16_sl)
     pe_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], f16_sl)
-    p_smem = gl.allocate_shared_memory(gl.float16, [M, BN], p_sl)
+    p_bufs = gl.allocate_shared_memory(gl.float16, [2, M, BN], p_sl)
+    f_bufs = gl.allocate_shared_memory(gl.float32, [2, M], plain1)
+    l_buf = gl.allocate_shared_memory(gl.float32, [M], plain1)
     unit_bufs = gl.allocate_shared_memory(gl.float32, [2, M], plain1)
     raw_codes = gl.allocate_shared_memory(gl.int32, [3, BN, L // 4], plain2)
     raw_scales = gl.allocate_shared_memory(gl.float32, [3 * 4, BN], plain1)
@@ -338,14 +371,23 @@ def sparse_mla_kernel(
     bases = gl.allocate_shared_memory(gl.int64, [SPLIT // BN, BN], plain1)
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for b in gl.static_range(2):
         mbarrier.init(kv_ready.index(b), count=1)
-        mbarrier.init(kv_empty.index(b), count=1)
+        mbarrier.init(kv_empty.index(b), count=2)  # both MMA warp groups
+        mbarrier.init(p_ready.index(b), count=1)
+        mbarrier.init(p_free.index(b), count=1)
+    mbarrier.init(done, count=1)
     gl.warp_specialize([
-        (_mma_warps, (Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
-                      stride_qt, stride_qh, stride_pt, stride_ph, stride_ot, stride_oh, bases, q_smem, qpe_smem,
-                      p_smem, kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty, BN, L, M, DIRECT)),
+        (_scores_warps, (Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits,
+                         split, stride_qt, stride_qh, stride_pt, stride_ph, stride_ot, stride_oh, bases, q_smem,
+                         qpe_smem, p_bufs, f_bufs, l_buf, kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty, p_ready,
+                         p_free, done, BN, L, M, DIRECT)),
+        (_values_warps, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, p_bufs,
+                         f_bufs, l_buf, kv_bufs, unit_bufs, kv_empty, p_ready, p_free, done, BN, L, M, DIRECT)),
         (_dequant_warps, (INDEX, TABLES, CODES, ROPE_VALUES, table_row, row, lo, hi, stride_it, stride_b, stride_s,
                           bases, raw_codes, raw_scales, raw_rope, kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty,
                           SPLIT, BLOCK_SIZE, BN, L, M)),
-    ], [4], [DEQUANT_WARP_REGS])
+    ], [4, 4], [VALUES_WARP_REGS, DEQUANT_WARP_REGS])

@@ -427,7 +427,7 @@ def _sparse_mla_gluon(q_lat, q_pe, flat, rows: StepRows, index, out, part_o, par
             rows.is_padding, index, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads, index.shape[1],
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
             rows.tables.stride(0), index.stride(0), out.stride(0), out.stride(1),
-            BLOCK_SIZE=flat.shape[1], SPLIT=split, DIRECT=splits == 1, num_warps=8,
+            BLOCK_SIZE=flat.shape[1], SPLIT=split, DIRECT=splits == 1, num_warps=4,
         )
 
 
