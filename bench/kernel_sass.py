@@ -76,8 +76,7 @@ def intercept(run: Callable[[], object], kernel: str) -> Launch:
     """The first launch of the attention kernel ``kernel`` made by ``run()``."""
     found: list[Launch] = []
     real = launch.kernels
-    module = real()
-    launch.kernels = lambda name="triton_kernels": _Intercept(module, kernel, found)
+    launch.kernels = lambda name="triton_kernels": _Intercept(real(name), kernel, found)
     try:
         run()
     finally:
@@ -196,11 +195,29 @@ def gqa_case(fp8: bool) -> Launch:
     return intercept(lambda: launch.gqa_attention(q, k, v, step, 0.088, *scales), "gqa_kernel")
 
 
+def sparse_mla_gluon_case(picks_per_split: int = 1024) -> Launch:
+    """DeepSeek-V3.2's sparse MLA decode launch of the Gluon kernel (128 heads, 2048 picks, the
+    split the launcher picks for 32 decode rows per rank), what the launcher runs on Hopper."""
+    from pcppass.kernels.quant import encode_ds_mla_rows
+
+    step, blocks = decode_step()
+    q_lat = torch.randn(2, 128, 512, dtype=torch.bfloat16)
+    q_pe = torch.randn(2, 128, 64, dtype=torch.bfloat16)
+    kv = torch.randn(blocks * 64, 576, dtype=torch.bfloat16)
+    cache = encode_ds_mla_rows(kv[:, :512], kv[:, 512:]).view(blocks, 64, -1)
+    index = torch.randint(0, 4096, (2, 2048)).sort(dim=1).values
+    splits = 2048 // picks_per_split
+    out, part_o, part_ml = launch._outputs(2, 128, 512, splits, q_lat.dtype, q_lat.device)
+    return intercept(lambda: launch.sparse_mla_gluon(q_lat, q_pe, cache, step, index, out, part_o, part_ml, 0.07,
+                                                     splits, picks_per_split), "sparse_mla_kernel")
+
+
 CASES: dict[str, Callable[[], Launch]] = {
     "mla_fp8_ds_mla": lambda: mla_case(True),
     "mla_bf16": lambda: mla_case(False),
     "gqa_bf16": lambda: gqa_case(False),
     "gqa_fp8": lambda: gqa_case(True),
+    "sparse_mla_gluon": sparse_mla_gluon_case,
 }
 
 

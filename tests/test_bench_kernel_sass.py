@@ -58,3 +58,31 @@ print("hgmma", sass.count("HGMMA"), "ldgsts", sass.count("LDGSTS"), "syncs", sas
     assert 192 in regs and max(regs) > 192, out  # dequant warps 192 registers, MMA warps the rest
     hgmma, ldgsts, syncs = map(int, re.search(r"hgmma (\d+) ldgsts (\d+) syncs (\d+)", out).groups())
     assert hgmma >= 68 and ldgsts > 0 and syncs > 0, out  # warp-group MMAs, cp.async, mbarrier waits
+
+
+def test_gluon_sparse_mla_kernel_fits_an_sm_and_splits_its_warps():
+    """The launcher's sparse MLA kernel on Hopper (``gluon_kernels.sparse_mla_kernel``) compiles
+    for sm_90: no spills, one program's shared memory within an SM's 227 KB, three warp groups with
+    their own register counts (values 168, dequant 104, scores the rest), the scores' MMAs over a
+    whole 32-key tile and the values' over 128 latent dims, the codes converted to float16 and
+    scaled two at a time."""
+    out = run("-c", """
+import os, tempfile, re
+import kernel_sass
+kernel = kernel_sass.compile_launch(kernel_sass.sparse_mla_gluon_case())
+stats = kernel_sass.sass_stats(kernel)
+with tempfile.TemporaryDirectory() as tmp:
+    cubin = os.path.join(tmp, "k.cubin")
+    open(cubin, "wb").write(kernel.asm["cubin"])
+    sass = kernel_sass._tool("cuobjdump", "-sass", cubin)
+print("stack", stats.stack_bytes, "shared", stats.shared_bytes)
+print("regs", sorted({int(m, 16) for m in re.findall(r"USETMAXREG\\.\\w+\\.CTAPOOL (?:UP0, )?0x([0-9a-f]+)", sass)}))
+print("ops", sorted(set(re.findall(r"HGMMA\\.64x\\d+x16\\.F32(?:\\.BF16)?", sass) + re.findall(r"F2FP\\.F16\\.E4M3\\w*|HMUL2", sass))))
+""")
+    stack, shared = map(int, re.search(r"stack (\d+) shared (\d+)", out).groups())
+    assert stack == 0 and shared <= 227 * 1024, out
+    regs = eval(re.search(r"regs (\[.*\])", out).group(1))
+    assert {104, 168} <= set(regs) and max(regs) > 168, out
+    ops = eval(re.search(r"ops (\[.*\])", out).group(1))
+    assert {"HGMMA.64x32x16.F32", "HGMMA.64x32x16.F32.BF16", "HGMMA.64x128x16.F32", "HMUL2"} <= set(ops), out
+    assert any(op.startswith("F2FP.F16.E4M3") for op in ops), out

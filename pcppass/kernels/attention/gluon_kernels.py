@@ -231,6 +231,19 @@ def _store_half(o0, o1, scale, OUT, PART_O, row, head0, num_heads, num_splits, s
 
 
 @gluon.jit
+def _issue_scores(q_smem, qpe_smem, kv_bufs, pe_bufs, slot, zero):
+    """The five asynchronous MMAs of a tile's scores (slot ``slot`` of the ring): RoPE (bf16) and
+    latent (float16, four 128-dim chunks) into two accumulators."""
+    s_pe = warpgroup_mma(qpe_smem, pe_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    s_lat = warpgroup_mma(q_smem.index(0), kv_bufs.index(slot * 4).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+    s_lat = warpgroup_mma(q_smem.index(1), kv_bufs.index(slot * 4 + 1).permute((1, 0)), s_lat, is_async=True)
+    s_lat = warpgroup_mma(q_smem.index(2), kv_bufs.index(slot * 4 + 2).permute((1, 0)), s_lat, is_async=True)
+    s_lat = warpgroup_mma(q_smem.index(3), kv_bufs.index(slot * 4 + 3).permute((1, 0)), s_lat, is_async=True)
+    return s_pe, s_lat
+
+
+@gluon.jit
 def _scores_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
                   stride_qt, stride_qh, stride_pt, stride_ph, stride_ot, stride_oh, bases, q_smem, qpe_smem, p_bufs,
                   f_bufs, l_buf, kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty, p_ready, p_free, done,
@@ -251,19 +264,17 @@ def _scores_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scal
     o0 = gl.zeros([M, 128], gl.float32, layout=o_l)
     o1 = gl.zeros([M, 128], gl.float32, layout=o_l)
     zero = gl.zeros([M, BN], gl.float32, layout=s_l)
-    for i in range(gl.cdiv(hi - lo, BN)):
+    n_tiles = gl.cdiv(hi - lo, BN)
+    # tile i + 1's scores are issued behind tile i's values, so they run while this warp group
+    # waits for its values and while the values warps run theirs; the last tile's are issued twice
+    # (the second result unused), and a row with no tile issues them over whatever the slot holds
+    mbarrier.wait(kv_ready.index(0), 0, pred=n_tiles > 0)
+    s_pe, s_lat = _issue_scores(q_smem, qpe_smem, kv_bufs, pe_bufs, 0, zero)
+    for i in range(n_tiles):
         slot = i % 2
         phase = (i // 2) & 1
-        first = slot * 4
-        mbarrier.wait(kv_ready.index(slot), phase)
         unit = unit_bufs.index(slot).load(rows_s)
         used = bases.index(i).load(gl.SliceLayout(0, s_l)) >= 0
-        s_pe = warpgroup_mma(qpe_smem, pe_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-        s_lat = warpgroup_mma(q_smem.index(0), kv_bufs.index(first).permute((1, 0)), zero, use_acc=False,
-                              is_async=True)
-        s_lat = warpgroup_mma(q_smem.index(1), kv_bufs.index(first + 1).permute((1, 0)), s_lat, is_async=True)
-        s_lat = warpgroup_mma(q_smem.index(2), kv_bufs.index(first + 2).permute((1, 0)), s_lat, is_async=True)
-        s_lat = warpgroup_mma(q_smem.index(3), kv_bufs.index(first + 3).permute((1, 0)), s_lat, is_async=True)
         s_pe, s_lat = warpgroup_mma_wait(0, deps=(s_pe, s_lat))
         s = (s_lat * (down * unit)[:, None] + s_pe) * qk_scale
         s = gl.where(used[None, :], s, float("-inf"))
@@ -285,10 +296,14 @@ def _scores_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scal
         f = gl.convert_layout(factor, rows_o)[:, None]
         o0 = o0 * f
         o1 = o1 * f
-        o0 = warpgroup_mma(p_bufs.index(slot), kv_bufs.index(first), o0, is_async=True)
-        o1 = warpgroup_mma(p_bufs.index(slot), kv_bufs.index(first + 1), o1, is_async=True)
-        o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
+        o0 = warpgroup_mma(p_bufs.index(slot), kv_bufs.index(slot * 4), o0, is_async=True)
+        o1 = warpgroup_mma(p_bufs.index(slot), kv_bufs.index(slot * 4 + 1), o1, is_async=True)
+        nxt = gl.minimum(i + 1, n_tiles - 1)
+        mbarrier.wait(kv_ready.index(nxt % 2), (nxt // 2) & 1)
+        s_pe, s_lat = _issue_scores(q_smem, qpe_smem, kv_bufs, pe_bufs, nxt % 2, zero)
+        o0, o1 = warpgroup_mma_wait(5, deps=(o0, o1))  # the values done, the five scores MMAs may fly
         mbarrier.arrive(kv_empty.index(slot), count=1)
+    s_pe, s_lat = warpgroup_mma_wait(0, deps=(s_pe, s_lat))
     if DIRECT:
         l_buf.store(l_i)
         mbarrier.arrive(done, count=1)

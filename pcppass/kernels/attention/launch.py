@@ -393,8 +393,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         flat = scales = rope_bytes = cache
     bm = schedule.rows_per_tile
     if sparse and tiles.gluon and gluon_sparse_fits(q_lat, q_pe, cache, ds_mla):
-        _sparse_mla_gluon(q_lat, q_pe, flat, rows, index, out, part_o, part_ml, scale, splits,
-                          tiles.sparse_split if splits == 1 else split)
+        sparse_mla_gluon(q_lat, q_pe, cache, rows, index, out, part_o, part_ml, scale, splits,
+                         tiles.sparse_split if splits == 1 else split)
     elif schedule.count:
         kernels().mla_kernel[(schedule.count, heads // group, splits)](
             q_lat, q_pe, flat, scales, rope_bytes, rows.tables, *rows.tile_args(schedule),
@@ -416,11 +416,13 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     return out
 
 
-def _sparse_mla_gluon(q_lat, q_pe, flat, rows: StepRows, index, out, part_o, part_ml, scale: float, splits: int,
-                      split: int) -> None:
+def sparse_mla_gluon(q_lat, q_pe, cache, rows: StepRows, index, out, part_o, part_ml, scale: float, splits: int,
+                     split: int) -> None:
     """:func:`~pcppass.kernels.attention.gluon_kernels.sparse_mla_kernel` over fp8_ds_mla rows
-    ``flat [nb, bs, 656]`` (uint8): one program per (row, 64 heads, split of ``split`` picks)."""
+    ``cache [nb, bs, 656]``: one program per (row, 64 heads, split of ``split`` picks), into ``out``
+    (one split) or the partial outputs that :func:`_combine` merges (the caller's)."""
     t, heads, _ = q_lat.shape
+    flat = cache.view(torch.uint8).reshape(cache.shape[0], cache.shape[1], -1)
     if t:
         kernels("gluon_kernels").sparse_mla_kernel[(t, heads // 64, splits)](
             q_lat, q_pe, flat.view(torch.float32), flat.view(torch.bfloat16), rows.tables, rows.token_to_req,
