@@ -26,17 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-
-@gluon.jit
-def _pow2_scales(amax):
-    """:func:`pcppass.kernels.attention.triton_kernels.pow2_lane_scales` for Gluon (a Gluon kernel
-    cannot call a Triton ``@jit`` function): per head, ``(2^k, 2^-k)`` putting ``amax`` in
-    [2^14, 2^15)."""
-    exponent = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = gl.minimum(gl.maximum(14 - exponent, -126), 126)
-    up = ((k + 127) << 23).to(gl.float32, bitcast=True)
-    down = ((127 - k) << 23).to(gl.float32, bitcast=True)
-    return up, down
+from pcppass.kernels.attention.gluon_kernels import pow2_scales
 
 
 @gluon.jit
@@ -454,7 +444,7 @@ def _query_to_smem_f16(Q_LAT, Q_PE, row, stride_qt, stride_qh, stride_pt, stride
     q3 = gl.load(q_at + 384, mask=live[:, None], other=0.0).to(gl.float32)
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), axis=1), gl.max(gl.abs(q1), axis=1)),
                       gl.maximum(gl.max(gl.abs(q2), axis=1), gl.max(gl.abs(q3), axis=1)))
-    up, down = _pow2_scales(amax)
+    up, down = pow2_scales(amax)
     q_smem.index(0).store((q0 * up[:, None]).to(gl.float16))
     q_smem.index(1).store((q1 * up[:, None]).to(gl.float16))
     q_smem.index(2).store((q2 * up[:, None]).to(gl.float16))

@@ -165,14 +165,14 @@ def decode_step(rows: int = 2, context: int = 4096, block_size: int = 64):
     return step, 1 + rows * cols
 
 
-def mla_inputs(ds_mla: bool) -> tuple:
-    """(q_lat, q_pe, cache, step) of DeepSeek-V2's dense MLA decode (16 heads, 512 + 64) on the
-    CPU, over a bf16 or fp8_ds_mla cache."""
+def mla_inputs(ds_mla: bool, heads: int = 16) -> tuple:
+    """(q_lat, q_pe, cache, step) of MLA decode on the CPU (512 + 64 dims; DeepSeek-V2's 16 heads,
+    or V3.2's 128), over a bf16 or fp8_ds_mla cache."""
     from pcppass.kernels.quant import encode_ds_mla_rows
 
     step, blocks = decode_step()
-    q_lat = torch.randn(2, 16, 512, dtype=torch.bfloat16)
-    q_pe = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    q_lat = torch.randn(2, heads, 512, dtype=torch.bfloat16)
+    q_pe = torch.randn(2, heads, 64, dtype=torch.bfloat16)
     kv = torch.randn(blocks * 64, 576, dtype=torch.bfloat16)
     cache = (encode_ds_mla_rows(kv[:, :512], kv[:, 512:]) if ds_mla else kv).view(blocks, 64, -1)
     return q_lat, q_pe, cache, step
@@ -198,13 +198,7 @@ def gqa_case(fp8: bool) -> Launch:
 def sparse_mla_gluon_case(picks_per_split: int = 1024) -> Launch:
     """DeepSeek-V3.2's sparse MLA decode launch of the Gluon kernel (128 heads, 2048 picks, the
     split the launcher picks for 32 decode rows per rank), what the launcher runs on Hopper."""
-    from pcppass.kernels.quant import encode_ds_mla_rows
-
-    step, blocks = decode_step()
-    q_lat = torch.randn(2, 128, 512, dtype=torch.bfloat16)
-    q_pe = torch.randn(2, 128, 64, dtype=torch.bfloat16)
-    kv = torch.randn(blocks * 64, 576, dtype=torch.bfloat16)
-    cache = encode_ds_mla_rows(kv[:, :512], kv[:, 512:]).view(blocks, 64, -1)
+    q_lat, q_pe, cache, step = mla_inputs(True, heads=128)
     index = torch.randint(0, 4096, (2, 2048)).sort(dim=1).values
     splits = 2048 // picks_per_split
     out, part_o, part_ml = launch._outputs(2, 128, 512, splits, q_lat.dtype, q_lat.device)

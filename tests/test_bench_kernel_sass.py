@@ -17,6 +17,26 @@ def run(*args: str) -> str:
     return done.stdout
 
 
+def gluon_summary(launch_expr: str) -> tuple[int, int, list[int], str]:
+    """(stack bytes, shared bytes, the register counts its warp groups set, SASS) of the Gluon
+    launch ``launch_expr`` (an expression over ``kernel_sass`` and ``ds_mla_variants as v``),
+    compiled for sm_90."""
+    out = run("-c", f"""
+import os, sys, tempfile
+import kernel_sass, ds_mla_variants as v
+kernel = kernel_sass.compile_launch({launch_expr})
+stats = kernel_sass.sass_stats(kernel)
+with tempfile.TemporaryDirectory() as tmp:
+    cubin = os.path.join(tmp, "k.cubin")
+    open(cubin, "wb").write(kernel.asm["cubin"])
+    sys.stdout.write(f"stack {{stats.stack_bytes}} shared {{stats.shared_bytes}}\\n")
+    sys.stdout.write(kernel_sass._tool("cuobjdump", "-sass", cubin))
+""")
+    stack, shared = map(int, re.search(r"stack (\d+) shared (\d+)", out).groups())
+    regs = sorted({int(m, 16) for m in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?0x([0-9a-f]+)", out)})
+    return stack, shared, regs, out
+
+
 def test_dense_kernels_compile_for_sm90_and_show_their_loops():
     out = run("kernel_sass.py", "--kernels", "mla_bf16,mla_fp8_ds_mla")
     rows = dict(re.findall(r"^(\w+): (.*)$", out, re.M))
@@ -38,26 +58,12 @@ def test_ds_mla_variants_compile_for_sm90():
 
 
 def test_gluon_warp_specialised_kernel_splits_its_registers_and_fits_an_sm():
-    out = run("-c", """
-import os, tempfile, re
-import kernel_sass, ds_mla_variants as v
-call = v._intercepted(lambda: v.gluon_attention("gluon_ws", *kernel_sass.mla_inputs(True), 0.07, DEQUANT_REGS=192))
-kernel = kernel_sass.compile_launch(call)
-stats = kernel_sass.sass_stats(kernel)
-with tempfile.TemporaryDirectory() as tmp:
-    cubin = os.path.join(tmp, "k.cubin")
-    open(cubin, "wb").write(kernel.asm["cubin"])
-    sass = kernel_sass._tool("cuobjdump", "-sass", cubin)
-print("stack", stats.stack_bytes, "shared", stats.shared_bytes)
-print("regs", sorted({int(m, 16) for m in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?0x([0-9a-f]+)", sass)}))
-print("hgmma", sass.count("HGMMA"), "ldgsts", sass.count("LDGSTS"), "syncs", sass.count("SYNCS"))
-""")
-    stack, shared = map(int, re.search(r"stack (\d+) shared (\d+)", out).groups())
-    assert stack == 0 and shared <= 227 * 1024, out  # no spills; one program fits an SM's shared memory
-    regs = eval(re.search(r"regs (\[.*\])", out).group(1))
-    assert 192 in regs and max(regs) > 192, out  # dequant warps 192 registers, MMA warps the rest
-    hgmma, ldgsts, syncs = map(int, re.search(r"hgmma (\d+) ldgsts (\d+) syncs (\d+)", out).groups())
-    assert hgmma >= 68 and ldgsts > 0 and syncs > 0, out  # warp-group MMAs, cp.async, mbarrier waits
+    stack, shared, regs, sass = gluon_summary(
+        'v._intercepted(lambda: v.gluon_attention("gluon_ws", *kernel_sass.mla_inputs(True), 0.07, DEQUANT_REGS=192))')
+    assert stack == 0 and shared <= 227 * 1024, (stack, shared)  # no spills; one program fits an SM's shared memory
+    assert 192 in regs and max(regs) > 192, regs  # dequant warps 192 registers, MMA warps the rest
+    # warp-group MMAs, cp.async, mbarrier waits
+    assert sass.count("HGMMA") >= 68 and sass.count("LDGSTS") > 0 and sass.count("SYNCS") > 0
 
 
 def test_gluon_sparse_mla_kernel_fits_an_sm_and_splits_its_warps():
@@ -66,23 +72,8 @@ def test_gluon_sparse_mla_kernel_fits_an_sm_and_splits_its_warps():
     their own register counts (values 168, dequant 104, scores the rest), the scores' MMAs over a
     whole 32-key tile and the values' over 128 latent dims, the codes converted to float16 and
     scaled two at a time."""
-    out = run("-c", """
-import os, tempfile, re
-import kernel_sass
-kernel = kernel_sass.compile_launch(kernel_sass.sparse_mla_gluon_case())
-stats = kernel_sass.sass_stats(kernel)
-with tempfile.TemporaryDirectory() as tmp:
-    cubin = os.path.join(tmp, "k.cubin")
-    open(cubin, "wb").write(kernel.asm["cubin"])
-    sass = kernel_sass._tool("cuobjdump", "-sass", cubin)
-print("stack", stats.stack_bytes, "shared", stats.shared_bytes)
-print("regs", sorted({int(m, 16) for m in re.findall(r"USETMAXREG\\.\\w+\\.CTAPOOL (?:UP0, )?0x([0-9a-f]+)", sass)}))
-print("ops", sorted(set(re.findall(r"HGMMA\\.64x\\d+x16\\.F32(?:\\.BF16)?", sass) + re.findall(r"F2FP\\.F16\\.E4M3\\w*|HMUL2", sass))))
-""")
-    stack, shared = map(int, re.search(r"stack (\d+) shared (\d+)", out).groups())
-    assert stack == 0 and shared <= 227 * 1024, out
-    regs = eval(re.search(r"regs (\[.*\])", out).group(1))
-    assert {104, 168} <= set(regs) and max(regs) > 168, out
-    ops = eval(re.search(r"ops (\[.*\])", out).group(1))
-    assert {"HGMMA.64x32x16.F32", "HGMMA.64x32x16.F32.BF16", "HGMMA.64x128x16.F32", "HMUL2"} <= set(ops), out
-    assert any(op.startswith("F2FP.F16.E4M3") for op in ops), out
+    stack, shared, regs, sass = gluon_summary("kernel_sass.sparse_mla_gluon_case()")
+    assert stack == 0 and shared <= 227 * 1024, (stack, shared)
+    assert {104, 168} <= set(regs) and max(regs) > 168, regs
+    for op in ("HGMMA.64x32x16.F32 ", "HGMMA.64x32x16.F32.BF16", "HGMMA.64x128x16.F32", "HMUL2", "F2FP.F16.E4M3"):
+        assert op in sass, op

@@ -2,30 +2,39 @@
 ``cp.async``, warp specialisation), launched by :mod:`pcppass.kernels.attention.launch` on sm_90.
 
 :func:`sparse_mla_kernel` is DeepSeek-V3.2's sparse MLA decode over an fp8_ds_mla cache: each row
-attends to its top-k picks (128 heads, 512 latent + 64 RoPE dims). With 64 heads per program it is
-bound by the tensor cores, not by memory (2048 picks of 656 bytes against 128 heads x 1088 dims of
-MMA work per pick), so what matters is keeping the MMAs fed: the dequantisation of each key tile
-runs in warps of its own, beside the MMA warps, and costs about one instruction per code.
+attends to its top-k picks (128 heads, 512 latent + 64 RoPE dims). Its work is MMA work, not
+bytes (2048 picks of 656 bytes against 128 heads x 1088 dims of MMAs per pick), so what matters is
+keeping the tensor cores fed: each key tile is dequantised by warps of its own, at about one
+instruction per code, beside the warps that run the MMAs.
 
-Program (row, block of 64 heads, split of the picks); 32-key tiles:
+Program (row, block of 64 heads, split of the picks); 32-key tiles; three warp groups:
 
-* **dequant warps** (4): the split's cache-row offsets are looked up once (pick -> block table ->
-  byte offset, into shared memory); then each tile's rows are copied into a ring of three raw
-  slots (``cp.async``, two tiles in flight) and converted into the free slot of a ring of two
-  float16 tiles: ``code x scale / F`` (one ``cvt`` and one ``mul`` per two codes), where ``F`` is
-  the power of two that puts the tile's largest value in [2^14, 2^15); the RoPE values are copied
-  as they are (bf16).
-* **MMA warps** (8, two warp groups splitting each MMA's N): scores ``q_lat . kv`` (float16, the
-  query scaled per head by a power of two into float16's range) plus ``q_pe . k_pe`` (bf16) into
-  two float32 accumulators, the online softmax, then ``p @ kv`` into four 64 x 128 float32
-  accumulators; the accumulators stay in units of the last tile's ``F`` and are rescaled with the
-  softmax's factor.
+* **dequant warps**: the split's cache-row offsets are looked up once (pick -> block table -> byte
+  offset, into shared memory); then each tile's rows are copied into a ring of three raw slots
+  (``cp.async``, two tiles in flight) and converted into the free slot of a ring of two float16
+  tiles: ``code x scale / F`` (one ``cvt`` and one ``mul.f16x2`` per two codes), where ``F``, the
+  tile's unit, is the power of two that puts its largest scale over ``F`` in [64, 128), so every
+  value is below 448 x 128 = 57344 (float16's largest is 65504); the RoPE values are copied as
+  they are (bf16).
+* **scores warps**: ``q_lat . kv`` (float16, the query scaled per head by a power of two into
+  float16's range) plus ``q_pe . k_pe`` (bf16) into two float32 accumulators, the whole tile as the
+  MMAs' N (the query leaves shared memory once per tile); the online softmax (each head's row
+  inside the warp group); the probabilities (float16) and the accumulators' factor into a double
+  buffer for the values warps; ``p @ kv`` for latent chunks 0 and 1. The next tile's scores are
+  issued behind this tile's values.
+* **values warps**: ``p @ kv`` for latent chunks 2 and 3.
 
-Numerics: every e4m3 code is a float16 exactly; ``code x scale / F`` rounds once to float16 (11
-bits, where the Triton kernel's bf16 rounds to 8) for every value whose scale is within 2^12 of its
-tile's largest (smaller scales lose bits gradually, their values staying exact to 2^-38 of the
-tile's largest value); probabilities are float16 (at most 1, rounding at 2^-11); the accumulation
-is float32. A query value below 2^-28 of its head's largest rounds (as fp8 GQA's float16 dots).
+The output accumulators (two 64 x 128 float32 tiles per MMA warp group) stay in units of the last
+tile's ``F``, rescaled with the softmax's factor. mbarriers order the groups: ready / empty for the
+float16 ring (empty counts both MMA groups), ready / free for the probabilities.
+
+Numerics: every e4m3 code is a float16 exactly; a value is its code times its scale over the tile's
+unit, both rounded to float16 (about 2^-10 relative, where the Triton kernel's single bf16 rounding
+is 2^-8) for every value whose scale is within 2^12 of its tile's largest (smaller scales lose
+bits gradually, their values staying exact to 2^-38 of the tile's largest value); units are
+clamped to 2^-40..2^40 (tile scales outside 2^-34..2^46 lose bits); probabilities are float16 (at
+most 1, rounding at 2^-11); accumulation is float32. A query value below 2^-28 of its head's
+largest rounds (as fp8 GQA's float16 dots).
 """
 
 from triton.experimental import gluon
@@ -39,33 +48,39 @@ SPARSE_HEADS = 64
 LATENT = 512
 ROPE = 64
 #: registers of each values thread and each dequant thread (the scores warps take the rest)
-VALUES_REGS = 168
-DEQUANT_REGS = 104
+VALUES_REGS = 160
+DEQUANT_REGS = 112
 
 
 @gluon.jit
-def _pow2_scales(amax):
+def _two_to(e):
+    """``2^e`` (float32, exact) for an integer exponent ``e`` in [-126, 127]."""
+    return ((e + 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _exponent(x):
+    """The unbiased exponent of positive normal float32 values ``x``."""
+    return ((x.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@gluon.jit
+def pow2_scales(amax):
     """Per head, ``(2^k, 2^-k)`` putting ``amax`` in [2^14, 2^15) (``k`` clamped to [-126, 126], as
     :func:`pcppass.kernels.attention.triton_kernels.pow2_lane_scales`; a Gluon kernel cannot call a
     Triton ``@jit`` function)."""
-    exponent = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = gl.minimum(gl.maximum(14 - exponent, -126), 126)
-    up = ((k + 127) << 23).to(gl.float32, bitcast=True)
-    down = ((127 - k) << 23).to(gl.float32, bitcast=True)
-    return up, down
+    k = gl.minimum(gl.maximum(14 - _exponent(amax), -126), 126)
+    return _two_to(k), _two_to(-k)
 
 
 @gluon.jit
 def _tile_unit(largest_scale):
     """``(F, 1/F)`` of a key tile: the power of two with ``largest_scale / F`` in [64, 128), so
-    its largest value (at most 448 x scale) is below 2^15 as float16; 1 for a tile of zero scales
-    (all picks unused). The exponent is clamped to [-40, 40], so the ratio of two tiles' units,
-    which rescales the accumulators, stays far inside float32's range."""
-    exponent = ((largest_scale.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = gl.where(largest_scale > 0.0, gl.minimum(gl.maximum(exponent - 6, -40), 40), 0)
-    unit = ((e + 127) << 23).to(gl.float32, bitcast=True)
-    inverse = ((127 - e) << 23).to(gl.float32, bitcast=True)
-    return unit, inverse
+    its values (at most 448 x scale / F) stay below 57344, under float16's largest (65504); 1 for a
+    tile of zero scales (all picks unused). The exponent is clamped to [-40, 40], so the ratio of
+    two tiles' units, which rescales the accumulators, stays far inside float32's range."""
+    e = gl.where(largest_scale > 0.0, gl.minimum(gl.maximum(_exponent(largest_scale) - 6, -40), 40), 0)
+    return _two_to(e), _two_to(-e)
 
 
 @gluon.jit
@@ -204,7 +219,7 @@ def _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, str
     amax = gl.max(gl.abs(gl.load(q_at).to(gl.float32)), axis=1)
     for c in gl.static_range(1, 4):
         amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_at + c * 128).to(gl.float32)), axis=1))
-    up, down = _pow2_scales(amax)
+    up, down = pow2_scales(amax)
     for c in gl.static_range(4):
         q_smem.index(c).store((gl.load(q_at + c * 128).to(gl.float32) * up[:, None]).to(gl.float16))
     qpe_smem.store(gl.load(Q_PE + row * stride_pt + (head0 + qh)[:, None] * stride_ph + rq[None, :]))
