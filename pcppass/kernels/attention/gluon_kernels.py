@@ -49,7 +49,7 @@ LATENT = 512
 ROPE = 64
 #: registers of each values thread and each dequant thread (the scores warps take the rest)
 VALUES_REGS = 160
-DEQUANT_REGS = 112
+DEQUANT_REGS = 120
 
 
 @gluon.jit
@@ -113,17 +113,42 @@ def _half2_bits(x):
 
 
 @gluon.jit
-def _row_offsets(INDEX, TABLES, table_row, row, lo, hi, stride_it, stride_b, stride_s, bases,
-                 SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr):
-    """The split's picks as cache byte offsets into ``bases [SPLIT // BN, BN]`` (-1: an unused pick)."""
-    layout: gl.constexpr = gl.BlockedLayout([SPLIT // 128], [32], [4], [0])
-    n = gl.arange(0, SPLIT, layout=layout)
+def _row_offsets(INDEX, TABLES, CODES, table_row, row, lo, hi, stride_it, stride_b, stride_s, bases,
+                 SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr):
+    """The split's picks as cache byte offsets into ``bases [SPLIT // BN, BN]`` (-1: an unused pick);
+    returns each tile's largest scale, every thread holding all of them (:func:`_tile_largest`)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+    T: gl.constexpr = SPLIT // BN
+    n = (gl.arange(0, T, layout=gl.SliceLayout(1, layout))[:, None] * BN
+         + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))[None, :])
     live = lo + n < hi
     pick = gl.load(INDEX + row * stride_it + lo + n, mask=live, other=-1).to(gl.int64)
     used = pick >= 0
     safe = gl.where(used, pick, 0)
     block = gl.load(TABLES + table_row + safe // BLOCK_SIZE, mask=used, other=0).to(gl.int64)
-    bases._reinterpret(gl.int64, [SPLIT], gl.SwizzledSharedLayout(1, 1, 1, [0])).store(gl.where(used, block * stride_b + (safe % BLOCK_SIZE) * stride_s, -1))
+    base = block * stride_b + (safe % BLOCK_SIZE) * stride_s
+    bases._reinterpret(gl.int64, [T, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(gl.where(used, base, -1))
+    scales = CODES + base // 4 + L // 4
+    largest = gl.load(scales, mask=used, other=0.0)
+    for c in gl.static_range(1, 4):
+        largest = gl.maximum(largest, gl.load(scales + c, mask=used, other=0.0))
+    return gl.convert_layout(gl.max(largest, axis=1), gl.BlockedLayout([T], [32], [4], [0]))
+
+
+@gluon.jit
+def _tile_largest(largest, i):
+    """Element ``i`` of :func:`_row_offsets`' per-tile largest scales (inside each thread)."""
+    tiles = gl.arange(0, largest.shape[0], layout=largest.type.layout)
+    return gl.max(gl.where(tiles == i, largest, 0.0), axis=0)
+
+
+@gluon.jit
+def _tile_offsets(bases, tile, layout: gl.constexpr):
+    """Tile ``tile``'s cache byte offsets (unused picks at 0) and which picks are used, in
+    ``layout``; the offsets are multiples of 16 bytes (the launcher checks), so copies of 16 bytes."""
+    offset = bases.index(tile).load(layout)
+    used = offset >= 0
+    return gl.multiple_of(gl.where(used, offset, 0), [16]), used
 
 
 @gluon.jit
@@ -134,31 +159,35 @@ def _copy_rows(CODES, ROPE_VALUES, bases, raw_codes, raw_scales, raw_rope, tile,
     ``[BN, 64]``; unused picks are filled with zeros."""
     codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
-    offset = bases.index(tile).load(keys_l)
-    used = offset >= 0
-    # cache rows start at multiples of 16 bytes (the launcher checks): 16-byte copies
-    base = gl.multiple_of(gl.where(used, offset, 0), [16])
+    base, used = _tile_offsets(bases, tile, gl.SliceLayout(1, codes_l))
     w = gl.arange(0, L // 4, layout=gl.SliceLayout(0, codes_l))
     async_copy.async_copy_global_to_shared(raw_codes.index(raw), CODES + (base // 4)[:, None] + w[None, :],
                                            mask=used[:, None])
     for c in gl.static_range(4):
         async_copy.async_copy_global_to_shared(raw_scales.index(4 * raw + c), CODES + base // 4 + L // 4 + c, mask=used)
-    base_r = gl.convert_layout(base, gl.SliceLayout(1, rope_l))
+    # the offsets read again in the RoPE copy's layout (a layout conversion would cost two barriers)
+    base_r, used_r = _tile_offsets(bases, tile, gl.SliceLayout(1, rope_l))
     r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
     async_copy.async_copy_global_to_shared(raw_rope.index(raw),
                                            ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None] + r[None, :],
-                                           mask=gl.convert_layout(used, gl.SliceLayout(1, rope_l))[:, None])
+                                           mask=used_r[:, None])
     async_copy.commit_group()
 
 
 @gluon.jit
-def _dequant_chunk(raw_codes, c: gl.constexpr, scale, dst):
-    """Latent chunk ``c`` (128 dims) of a raw tile, each key's codes times its ``scale`` (already
-    divided by the tile's unit), as float16 into ``dst [BN, 128]``."""
+def _dequant_tile(raw_codes, s0, s1, s2, s3, inverse, kv_bufs, first):
+    """A raw tile's four latent chunks (128 dims each), each key's codes times its chunk's scale
+    over the tile's unit (``inverse`` = 1 / unit), as float16 into ``kv_bufs[first + c]``; every
+    chunk's codes are read from shared memory before the first is converted."""
     codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    words = raw_codes.slice(c * 32, 32, dim=1).load(codes_l)
-    dst.store(_scaled_codes(words, _half2_bits(gl.convert_layout(scale, gl.SliceLayout(1, codes_l)))[:, None]))
+    w0 = raw_codes.slice(0, 32, dim=1).load(codes_l)
+    w1 = raw_codes.slice(32, 32, dim=1).load(codes_l)
+    w2 = raw_codes.slice(64, 32, dim=1).load(codes_l)
+    w3 = raw_codes.slice(96, 32, dim=1).load(codes_l)
+    kv_bufs.index(first).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
+    kv_bufs.index(first + 1).store(_scaled_codes(w1, _half2_bits(s1 * inverse)[:, None]))
+    kv_bufs.index(first + 2).store(_scaled_codes(w2, _half2_bits(s2 * inverse)[:, None]))
+    kv_bufs.index(first + 3).store(_scaled_codes(w3, _half2_bits(s3 * inverse)[:, None]))
 
 
 @gluon.jit
@@ -172,8 +201,8 @@ def _dequant_warps(INDEX, TABLES, CODES, ROPE_VALUES, table_row, row, lo, hi, st
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
-    _row_offsets(INDEX, TABLES, table_row, row, lo, hi, stride_it, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE,
-                 BN)
+    largest = _row_offsets(INDEX, TABLES, CODES, table_row, row, lo, hi, stride_it, stride_b, stride_s, bases, SPLIT,
+                           BLOCK_SIZE, BN, L)
     n_tiles = gl.cdiv(hi - lo, BN)
     for pre in gl.static_range(2):  # two tiles in flight before the first is converted
         if pre < n_tiles:
@@ -187,17 +216,14 @@ def _dequant_warps(INDEX, TABLES, CODES, ROPE_VALUES, table_row, row, lo, hi, st
         s1 = raw_scales.index(4 * raw + 1).load(keys_l)
         s2 = raw_scales.index(4 * raw + 2).load(keys_l)
         s3 = raw_scales.index(4 * raw + 3).load(keys_l)
-        unit, inverse = _tile_unit(gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
+        unit, inverse = _tile_unit(_tile_largest(largest, i))
         if i + 2 < n_tiles:  # into the slot read two tiles ago
             _copy_rows(CODES, ROPE_VALUES, bases, raw_codes, raw_scales, raw_rope, i + 2, (i + 2) % 3, L, BN)
         else:
             async_copy.commit_group()
         slot = i % 2
         mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
-        _dequant_chunk(raw_codes.index(raw), 0, s0 * inverse, kv_bufs.index(slot * 4))
-        _dequant_chunk(raw_codes.index(raw), 1, s1 * inverse, kv_bufs.index(slot * 4 + 1))
-        _dequant_chunk(raw_codes.index(raw), 2, s2 * inverse, kv_bufs.index(slot * 4 + 2))
-        _dequant_chunk(raw_codes.index(raw), 3, s3 * inverse, kv_bufs.index(slot * 4 + 3))
+        _dequant_tile(raw_codes.index(raw), s0, s1, s2, s3, inverse, kv_bufs, slot * 4)
         pe_bufs.index(slot).store(raw_rope.index(raw).load(rope_l))
         unit_bufs.index(slot).store(gl.zeros([M], gl.float32, unit_l) + unit)
         fence_async_shared()
