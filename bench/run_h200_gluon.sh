@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
 log="$OUT/gpu_tests_attention_gluon_h200.log"
-echo "# tests/test_attention_gluon_cuda.py tests/test_attention_cuda.py tests/test_engine_cuda_graphs.py, $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null) + working tree" > "$log"
+echo "# tests/test_attention_gluon_cuda.py tests/test_attention_cuda.py tests/test_engine_cuda_graphs.py, $(date -u +%FT%TZ), commit ${COMMIT:-(not given)}" > "$log"
 timeout 360 python3 -m pytest tests/test_attention_gluon_cuda.py tests/test_attention_cuda.py tests/test_engine_cuda_graphs.py -q -s -p no:cacheprovider \
   2>&1 | grep -v "^$" >> "$log"
 echo "pytest exit ${PIPESTATUS[0]}" >> "$log"
