@@ -171,6 +171,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+@functools.cache
+def _hopper(device_index: int | None) -> bool:
+    """Whether CUDA device ``device_index`` is sm_90 (asked once per device: the check runs on
+    every sparse MLA call)."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
 def gluon_sparse_fits(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, ds_mla: bool) -> bool:
     """Whether sparse MLA runs :func:`pcppass.kernels.attention.gluon_kernels.sparse_mla_kernel`:
     compiled Triton (not the interpreter) on a Hopper GPU (sm_90: warp-group MMA and 227 KB of
@@ -179,8 +186,7 @@ def gluon_sparse_fits(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     from triton import knobs
 
     size = cache.element_size()
-    return (ds_mla and q_lat.is_cuda and not knobs.runtime.interpret
-            and torch.cuda.get_device_capability(q_lat.device) == (9, 0)
+    return (ds_mla and q_lat.is_cuda and not knobs.runtime.interpret and _hopper(q_lat.device.index)
             and q_lat.dtype == q_pe.dtype == torch.bfloat16 and q_lat.shape[2] == 512 and q_pe.shape[2] == 64
             and q_lat.shape[1] % 64 == 0 and cache.shape[-1] * size == 656 and cache.data_ptr() % 16 == 0
             and cache.stride(0) * size % 16 == 0 and cache.stride(1) * size % 16 == 0)
