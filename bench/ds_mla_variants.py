@@ -353,16 +353,31 @@ def _time(call, reps: int) -> float:
     return statistics.median(ms) * 1000
 
 
-def measure(rows: int, context: int, reps: int) -> dict:
+#: keys per split the package's Gluon kernel is timed at (``launch.DENSE_GLUON_SPLIT`` is the launcher's)
+PACKAGE_SPLITS = (1024, 2048, 4096)
+
+
+def package_variants() -> list:
+    """(name, launch) of the package's Gluon kernel (``gluon_kernels.dense_mla_kernel``, what the
+    launcher runs on Hopper) at each of :data:`PACKAGE_SPLITS`."""
+    from pcppass.kernels.attention import launch
+
+    return [(f"package Gluon kernel (dense_mla_kernel), {split} keys per split",
+             lambda q_lat, q_pe, cache, rows, scale, split=split: launch.dense_mla_gluon(q_lat, q_pe, cache, rows,
+                                                                                         scale, split))
+            for split in PACKAGE_SPLITS]
+
+
+def measure(rows: int, context: int, reps: int, package_only: bool = False) -> dict:
     from pcppass.bench.kernels import mla_inputs
-    from pcppass.kernels.attention.launch import mla_attention
+    from pcppass.kernels.attention.launch import MLA_FP8_TRITON_TILES, mla_attention
 
     q_lat, q_pe, step, caches = mla_inputs(rows, context)
     cache = caches[True]
-    want = mla_attention(q_lat, q_pe, cache, step, 0.07, True)
-    entries = [{"kernel": "mla_kernel (launcher default)", "us": _time(lambda: mla_attention(
-        q_lat, q_pe, cache, step, 0.07, True), reps), "rel_err": 0.0}]
-    for name, run in VARIANTS:
+    want = mla_attention(q_lat, q_pe, cache, step, 0.07, True, tiles=MLA_FP8_TRITON_TILES)
+    entries = [{"kernel": "mla_kernel (the launcher's Triton kernel)", "us": _time(lambda: mla_attention(
+        q_lat, q_pe, cache, step, 0.07, True, tiles=MLA_FP8_TRITON_TILES), reps), "rel_err": 0.0}]
+    for name, run in package_variants() + ([] if package_only else VARIANTS):
         try:
             got = run(q_lat, q_pe, cache, step, 0.07)
             err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
@@ -417,7 +432,7 @@ def sass_rows() -> list[dict]:
     """Each kernel compiled for sm_90 from CPU tensors (``bench/kernel_sass.py``)."""
     import kernel_sass
 
-    out = [{"kernel": "mla_kernel (launcher default)", **_stats(kernel_sass.mla_case(True))}]
+    out = [{"kernel": "mla_kernel (the launcher's Triton kernel)", **_stats(kernel_sass.mla_case(True))}]
     inputs = kernel_sass.mla_inputs(True)
     for name, run in VARIANTS:
         out.append({"kernel": name, **_stats(_intercepted(lambda run=run: run(*inputs, 0.07)))})
@@ -460,7 +475,7 @@ def markdown(result: dict) -> str:
     for shape in result["shapes"]:
         floor = shape["floor_bytes"] / DATASHEET_HBM * 1e6
         lines += [f"## {shape['rows']} rows, context {shape['context']} (byte floor {floor:.1f} µs)", "",
-                  "| kernel | µs | % of HBM | rel. error vs launcher |", "|---|---|---|---|"]
+                  "| kernel | µs | % of HBM | rel. error vs the Triton kernel |", "|---|---|---|---|"]
         for e in shape["kernels"]:
             if "us" in e:
                 lines.append(f"| {e['kernel']} | {e['us']:.1f} | {100 * floor / e['us']:.0f} | {e['rel_err']:.1e} |")
@@ -487,6 +502,8 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="h200")
     parser.add_argument("--sass", action="store_true", help="only compile for sm_90 and print (no GPU needed)")
+    parser.add_argument("--package-only", action="store_true",
+                        help="time the launcher's Triton kernel and the package's Gluon kernel only")
     parser.add_argument("--gluon-splits", default="", help="only sweep gluon_ws over these keys per split")
     parser.add_argument("--gluon-registers", default="192,232", help="dequant-warp registers for --gluon-splits")
     args = parser.parse_args()
@@ -501,7 +518,7 @@ def main() -> int:
         print(write(args.out, f"ds_mla_gluon_splits_{args.tag}", result, split_markdown))
         return 0
 
-    sass = sass_rows()
+    sass = [] if args.package_only else sass_rows()
     if args.sass:
         for e in sass:
             print(f"{e['kernel']}: {e['registers']} registers, {e['stack_bytes']} B stack, loop "
@@ -509,7 +526,7 @@ def main() -> int:
         return 0
     result = {"environment": environment(), "config": vars(args), "sass": sass, "shapes": []}
     for rows, context in shapes:
-        result["shapes"].append(measure(rows, context, args.reps))
+        result["shapes"].append(measure(rows, context, args.reps, args.package_only))
         torch.cuda.empty_cache()
     print(write(args.out, f"ds_mla_variants_{args.tag}", result, markdown))
     return 0

@@ -206,12 +206,20 @@ def sparse_mla_gluon_case(picks_per_split: int = 1024) -> Launch:
                                                      splits, picks_per_split), "sparse_mla_kernel")
 
 
+def dense_mla_gluon_case(heads: int = 16) -> Launch:
+    """DeepSeek-V2's dense MLA decode launch of the Gluon kernel over fp8_ds_mla rows (16 heads),
+    what the launcher runs on Hopper."""
+    q_lat, q_pe, cache, step = mla_inputs(True, heads=heads)
+    return intercept(lambda: launch.dense_mla_gluon(q_lat, q_pe, cache, step, 0.07), "dense_mla_kernel")
+
+
 CASES: dict[str, Callable[[], Launch]] = {
     "mla_fp8_ds_mla": lambda: mla_case(True),
     "mla_bf16": lambda: mla_case(False),
     "gqa_bf16": lambda: gqa_case(False),
     "gqa_fp8": lambda: gqa_case(True),
     "sparse_mla_gluon": sparse_mla_gluon_case,
+    "dense_mla_gluon": dense_mla_gluon_case,
 }
 
 

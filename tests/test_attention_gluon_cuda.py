@@ -1,6 +1,7 @@
-"""DeepSeek-V3.2's sparse MLA through the Gluon kernel (``gluon_kernels.sparse_mla_kernel``, what
-the launcher runs on Hopper) against a float32 reference and the Triton kernel (skipped without an
-sm_90 GPU).
+"""The Gluon MLA kernels over fp8_ds_mla rows (what the launcher runs on Hopper): DeepSeek-V3.2's
+sparse MLA (``gluon_kernels.sparse_mla_kernel``) and dense MLA (``gluon_kernels.dense_mla_kernel``,
+DeepSeek-V2's 16 heads per program), against a float32 reference and the Triton kernel (skipped
+without an sm_90 GPU).
 
 The kernel rounds every latent value once to float16 in units of its key tile's largest scale, so
 the tests draw caches whose scales differ from key to key inside a tile (up to 2^11) and from tile
@@ -78,10 +79,10 @@ def both_kernels(q_lat, q_pe, cache, step, index, rows_per_rank=None):
     return gluon, triton
 
 
-def queries(t: int, seed: int = 3):
+def queries(t: int, seed: int = 3, heads: int = HEADS):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(t, HEADS, LATENT, device="cuda", generator=g).to(torch.bfloat16),
-            torch.randn(t, HEADS, ROPE, device="cuda", generator=g).to(torch.bfloat16))
+    return (torch.randn(t, heads, LATENT, device="cuda", generator=g).to(torch.bfloat16),
+            torch.randn(t, heads, ROPE, device="cuda", generator=g).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("rows_per_rank", [4, 8, 16, 32])
@@ -198,3 +199,127 @@ def test_sparse_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_mat
     assert torch.equal(alone, eager[:1])
     assert torch.equal(captured, eager)
     assert not eager[7].any()
+
+
+# --- dense MLA (every visible position), DeepSeek-V2 widths -------------------------------------
+
+
+def dense_kernels(q_lat, q_pe, cache, step):
+    """(Gluon output, Triton output) of the launcher's dense fp8_ds_mla MLA."""
+    from pcppass.kernels.attention import launch
+
+    schedule = launch.tile_schedule(step.rows.query_start_loc, q_lat.shape[0], 1)
+    assert launch.gluon_dense_fits(q_lat, q_pe, cache, True, schedule)
+    gluon = launch.mla_attention(q_lat, q_pe, cache, step.rows, SCALE, True)
+    triton = launch.mla_attention(q_lat, q_pe, cache, step.rows, SCALE, True, tiles=launch.MLA_FP8_TRITON_TILES)
+    return gluon, triton
+
+
+def dense_reference(step, q_lat, q_pe, cache) -> torch.Tensor:
+    return float32_reference(step, q_lat, q_pe, cache, None)
+
+
+@pytest.mark.parametrize("heads", [16, 8, 32])
+def test_dense_mla_gluon_matches_float32_reference(heads):
+    """Rows of 3000-4500 positions (four or five splits of 1024 keys, the last split partial), a
+    request of three consecutive rows, a row of 700 positions, one at position 0, two padding rows;
+    16 heads (one program per row), 8 (padded to 16) and 32 (two programs per row). The Gluon
+    kernel is at least as close to the float32 reference as the Triton kernel and padding rows are
+    zeros."""
+    step = make_step([(1, 3000 + 301 * i) for i in range(5)] + [(3, 2000), (1, 700), (1, 0)], 2, 64, 80,
+                     device="cuda")
+    cache = v32_cache(step, torch.ones(step.num_blocks * 64, device="cuda"))
+    q_lat, q_pe = queries(step.rows.positions.shape[0], heads=heads)
+    gluon, triton = dense_kernels(q_lat, q_pe, cache, step)
+    ref = dense_reference(step, q_lat, q_pe, cache)
+    err_gluon = float(head_errors(gluon, ref, step.live).max())
+    err_triton = float(head_errors(triton, ref, step.live).max())
+    print(f"dense, {heads} heads: largest per-head error, Gluon {err_gluon:.1e}, Triton {err_triton:.1e}")
+    assert err_gluon < 1e-2 and err_gluon <= err_triton * 1.1
+    assert not gluon[~step.live].any() and gluon.isfinite().all()
+
+
+def test_dense_mla_gluon_one_split_writes_the_output_directly():
+    """Block tables of 16 blocks (1024 keys, one split): the kernel normalises and writes the
+    output itself; a padding row stays zeros."""
+    step = make_step([(1, 500 + 101 * i) for i in range(5)] + [(1, 1023)], 1, 64, 16, device="cuda")
+    cache = v32_cache(step, torch.ones(step.num_blocks * 64, device="cuda"))
+    q_lat, q_pe = queries(step.rows.positions.shape[0], heads=16)
+    gluon, triton = dense_kernels(q_lat, q_pe, cache, step)
+    ref = dense_reference(step, q_lat, q_pe, cache)
+    err = float(head_errors(gluon, ref, step.live).max())
+    print(f"dense, one split: largest per-head error {err:.1e} "
+          f"(Triton {float(head_errors(triton, ref, step.live).max()):.1e})")
+    assert err < 1e-2
+    assert not gluon[~step.live].any() and gluon.isfinite().all()
+
+
+@pytest.mark.parametrize("small_keys_win", [False, True])
+def test_dense_mla_gluon_scales_across_and_inside_tiles(small_keys_win):
+    """Each 64-key tile is one block of the cache. Keys' magnitudes 2^-11..2^0 at random (inside
+    every tile), times 2^20 or 2^-20 by block (tiles 2^40 apart); with queries and large keys of
+    opposite signs (``small_keys_win``) the output is the small keys'. Every head within 1e-2 of
+    the float32 reference."""
+    from pcppass.kernels.quant import encode_ds_mla_rows
+
+    step = make_step([(1, 4000 + 97 * i) for i in range(4)], 0, 64, 80, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(9)
+    n = step.num_blocks * 64
+    inside = torch.exp2(-11 * torch.rand(n, device="cuda", generator=g))
+    large = torch.arange(n, device="cuda") // 64 % 2 == 0
+    kv = torch.randn(n, LATENT + ROPE, device="cuda", generator=g)
+    if small_keys_win:
+        kv = torch.where(large[:, None], -kv.abs(), kv)
+    kv = kv * (inside * torch.where(large, 2.0**20, 2.0**-20))[:, None]
+    cache = encode_ds_mla_rows(kv[:, :LATENT], kv[:, LATENT:]).view(step.num_blocks, 64, -1)
+    q_lat, q_pe = queries(step.rows.positions.shape[0], heads=16)
+    if small_keys_win:
+        q_lat, q_pe = q_lat.abs(), q_pe.abs()
+    gluon, triton = dense_kernels(q_lat, q_pe, cache, step)
+    ref = dense_reference(step, q_lat, q_pe, cache)
+    errors = head_errors(gluon, ref, step.live)
+    print(f"dense, tiles 2^40 apart, small keys {'win' if small_keys_win else 'lose'}: largest per-head error "
+          f"{float(errors.max()):.1e} (Triton {float(head_errors(triton, ref, step.live).max()):.1e})")
+    assert float(errors.max()) < 1e-2
+
+
+def test_dense_mla_gluon_powers_of_two_give_the_same_bytes():
+    """Queries 2^24 and 2^-40 times larger with the scale divided back, and caches 2^24 or 2^-24
+    times larger with the queries divided back: the very bytes (times the cache's factor)."""
+    from pcppass.kernels.attention import launch
+
+    step = make_step([(1, 3500 + 11 * i) for i in range(3)], 0, 64, 64, device="cuda")
+    n = step.num_blocks * 64
+    q_lat, q_pe = queries(step.rows.positions.shape[0], heads=16)
+    cache = v32_cache(step, torch.ones(n, device="cuda"))
+    base = launch.mla_attention(q_lat, q_pe, cache, step.rows, SCALE, True)
+    for magnitude in (24, -40):
+        up = 2.0**magnitude
+        got = launch.mla_attention(q_lat * up, q_pe * up, cache, step.rows, SCALE / up, True)
+        assert torch.equal(got, base), magnitude
+    for magnitude in (24, -24):
+        up = 2.0**magnitude
+        scaled = v32_cache(step, torch.full((n,), up, device="cuda"))
+        got = launch.mla_attention(q_lat / up, q_pe / up, scaled, step.rows, SCALE, True)
+        assert torch.equal(got, base * up), magnitude
+
+
+def test_dense_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_match():
+    """Row 0 alone and among 40 others: the same bytes; a CUDA-graph replay gives the eager bytes."""
+    from pcppass.kernels.attention import launch
+
+    many = make_step([(1, 2500 + 53 * i) for i in range(41)], 0, 64, 80, device="cuda")
+    r = many.rows
+    first = launch.StepRows(r.tables[:1], r.positions[:1], r.token_to_req[:1], r.query_start_loc[:2],
+                            r.is_padding[:1])
+    cache = v32_cache(many, torch.ones(many.num_blocks * 64, device="cuda"))
+    q_lat, q_pe = queries(41, heads=16)
+    eager = launch.mla_attention(q_lat, q_pe, cache, r, SCALE, True)
+    alone = launch.mla_attention(q_lat[:1], q_pe[:1], cache, first, SCALE, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = launch.mla_attention(q_lat, q_pe, cache, r, SCALE, True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(alone, eager[:1])
+    assert torch.equal(captured, eager)

@@ -116,8 +116,9 @@ def mla_inputs(rows: int, context: int) -> tuple:
 
 
 def mla_cases(rows: int, context: int) -> list[Case]:
-    """Dense MLA (DeepSeek-V2 widths: 16 heads) over bf16 and fp8_ds_mla latent caches."""
-    from pcppass.kernels.attention.launch import mla_attention
+    """Dense MLA (DeepSeek-V2 widths: 16 heads) over bf16 and fp8_ds_mla latent caches; fp8_ds_mla
+    twice, as the launcher runs it (the Gluon kernel on Hopper) and with the Triton kernel only."""
+    from pcppass.kernels.attention.launch import MLA_FP8_TRITON_TILES, mla_attention
 
     q_lat, q_pe, step, caches = mla_inputs(rows, context)
     heads, latent, rope = q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]
@@ -125,9 +126,13 @@ def mla_cases(rows: int, context: int) -> list[Case]:
     for ds_mla, cache in caches.items():
         row_bytes = cache.shape[-1] * cache.element_size()
         flops = 2.0 * rows * heads * context * (2 * latent + rope)
-        out.append(Case("mla_fp8_ds_mla" if ds_mla else "mla_bf16", rows, context,
-                        rows * context * row_bytes + 2 * q_lat.numel() * 2, flops,
+        nbytes = rows * context * row_bytes + 2 * q_lat.numel() * 2
+        out.append(Case("mla_fp8_ds_mla" if ds_mla else "mla_bf16", rows, context, nbytes, flops,
                         [lambda c=cache, d=ds_mla: mla_attention(q_lat, q_pe, c, step, 0.07, d)]))
+        if ds_mla:
+            out.append(Case("mla_fp8_ds_mla_triton", rows, context, nbytes, flops,
+                            [lambda c=cache: mla_attention(q_lat, q_pe, c, step, 0.07, True,
+                                                           tiles=MLA_FP8_TRITON_TILES)]))
     return out
 
 

@@ -447,3 +447,261 @@ def sparse_mla_kernel(
                           bases, raw_codes, raw_scales, raw_rope, kv_bufs, pe_bufs, unit_bufs, kv_ready, kv_empty,
                           SPLIT, BLOCK_SIZE, BN, L, M)),
     ], [4, 4], [VALUES_WARP_REGS, DEQUANT_WARP_REGS])
+
+
+#: dense MLA: keys per tile (the scores MMA's M, the values MMA's K) and heads per program (both
+#: MMAs' N, zero-padded)
+DENSE_BN = 64
+DENSE_HEADS = 16
+#: registers of each values thread and each dequant thread of the dense kernel (the scores warps
+#: take the rest)
+DENSE_VALUES_REGS = 112
+DENSE_DEQUANT_REGS = 152
+
+
+@gluon.jit
+def _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr,
+                layout: gl.constexpr):
+    """Cache byte offsets of the keys ``[start, start + BN)`` (multiples of 16 bytes: the launcher
+    checks) and which of them are ``< hi``."""
+    j = start + gl.arange(0, BN, layout=layout)
+    live = j < hi
+    block = gl.load(TABLES + table_row + j // BLOCK_SIZE, mask=live, other=0).to(gl.int64)
+    return gl.multiple_of(block * stride_b + (j % BLOCK_SIZE).to(gl.int64) * stride_s, [16]), live
+
+
+@gluon.jit
+def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_bufs, pe_bufs,
+                         unit_bufs, kv_ready, kv_empty, SLOT: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                         BN: gl.constexpr, L: gl.constexpr, H: gl.constexpr):
+    """4 warps converting every other key tile (tiles ``SLOT``, ``SLOT + 2``, ...) into ring slot
+    ``SLOT``: a tile's codes, scales and RoPE values are loaded from global memory into registers
+    while the MMA warps still read the slot, then converted to float16 in units of the tile's
+    largest scale (:func:`_tile_unit`, :func:`_scaled_codes`). The other dequant warp group
+    converts the tiles in between, so two tiles' loads are in flight."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
+    w = gl.arange(0, 32, layout=gl.SliceLayout(0, codes_l))
+    r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
+    for i in range(SLOT, gl.cdiv(hi - lo, BN), 2):
+        start = lo + i * BN
+        base, live = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN, keys_l)
+        words = CODES + (base // 4)[:, None] + w[None, :]
+        w0 = gl.load(words, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
+        w1 = gl.load(words + 32, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
+        w2 = gl.load(words + 64, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
+        w3 = gl.load(words + 96, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
+        scales = CODES + base // 4 + L // 4
+        s0 = gl.load(scales, mask=live, other=0.0)
+        s1 = gl.load(scales + 1, mask=live, other=0.0)
+        s2 = gl.load(scales + 2, mask=live, other=0.0)
+        s3 = gl.load(scales + 3, mask=live, other=0.0)
+        base_r, live_r = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN,
+                                     gl.SliceLayout(1, rope_l))
+        pe = gl.load(ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None] + r[None, :], mask=live_r[:, None],
+                     other=0.0)
+        unit, inverse = _tile_unit(gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
+        mbarrier.wait(kv_empty.index(SLOT), ((i // 2) & 1) ^ 1)
+        kv_bufs.index(SLOT * 4).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
+        kv_bufs.index(SLOT * 4 + 1).store(_scaled_codes(w1, _half2_bits(s1 * inverse)[:, None]))
+        kv_bufs.index(SLOT * 4 + 2).store(_scaled_codes(w2, _half2_bits(s2 * inverse)[:, None]))
+        kv_bufs.index(SLOT * 4 + 3).store(_scaled_codes(w3, _half2_bits(s3 * inverse)[:, None]))
+        pe_bufs.index(SLOT).store(pe)
+        unit_bufs.index(SLOT).store(gl.zeros([H], gl.float32, unit_l) + unit)
+        fence_async_shared()
+        mbarrier.arrive(kv_ready.index(SLOT), count=1)
+
+
+@gluon.jit
+def _dense_query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
+                         GROUP: gl.constexpr, H: gl.constexpr, heads_l: gl.constexpr):
+    """The program's heads' latent queries as float16 (four 128-dim chunks, each head scaled by the
+    power of two that puts its largest value in [2^14, 2^15)) and RoPE queries (bf16), padded with
+    zero heads to ``H``; returns the factors that undo the scaling, per head."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    qh = gl.arange(0, H, layout=gl.SliceLayout(1, q_l))
+    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_l))
+    rq = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
+    live = (qh < GROUP)[:, None]
+    q_at = Q_LAT + row * stride_qt + (head0 + qh)[:, None] * stride_qh + qd[None, :]
+    amax = gl.max(gl.abs(gl.load(q_at, mask=live, other=0.0).to(gl.float32)), axis=1)
+    for c in gl.static_range(1, 4):
+        amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_at + c * 128, mask=live, other=0.0).to(gl.float32)), axis=1))
+    up, down = pow2_scales(amax)
+    for c in gl.static_range(4):
+        q = gl.load(q_at + c * 128, mask=live, other=0.0).to(gl.float32)
+        q_smem.index(c).store((q * up[:, None]).to(gl.float16))
+    qpe_smem.store(gl.load(Q_PE + row * stride_pt + (head0 + qh)[:, None] * stride_ph + rq[None, :], mask=live,
+                           other=0.0))
+    fence_async_shared()
+    return gl.convert_layout(down, heads_l)
+
+
+@gluon.jit
+def _dense_scores_warps(Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
+                        stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf, kv_bufs,
+                        pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP: gl.constexpr, BN: gl.constexpr,
+                        H: gl.constexpr, DIRECT: gl.constexpr):
+    """One warp group: per tile the scores (keys as the MMAs' M, the program's heads as N), the
+    online softmax over the keys (across the four warps), the probabilities (float16) and the
+    accumulators' factor for :func:`_dense_values_warps`; at the end the split's running max and
+    sum (the sum kept per key row until then)."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
+    keys_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    heads_s: gl.constexpr = gl.SliceLayout(0, s_l)
+    down = _dense_query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem,
+                                qpe_smem, GROUP, H, heads_s)
+    m_i = gl.full([H], float("-inf"), gl.float32, layout=heads_s)
+    g = gl.full([H], 1.0, gl.float32, layout=heads_s)  # the unit the accumulators are in
+    l_rows = gl.zeros([BN, H], gl.float32, layout=s_l)
+    zero = gl.zeros([BN, H], gl.float32, layout=s_l)
+    for i in range(gl.cdiv(hi - lo, BN)):
+        slot = i % 2
+        phase = (i // 2) & 1
+        mbarrier.wait(kv_ready.index(slot), phase)
+        s_pe = warpgroup_mma(pe_bufs.index(slot), qpe_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_lat = warpgroup_mma(kv_bufs.index(slot * 4), q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                              is_async=True)
+        s_lat = warpgroup_mma(kv_bufs.index(slot * 4 + 1), q_smem.index(1).permute((1, 0)), s_lat, is_async=True)
+        s_lat = warpgroup_mma(kv_bufs.index(slot * 4 + 2), q_smem.index(2).permute((1, 0)), s_lat, is_async=True)
+        s_lat = warpgroup_mma(kv_bufs.index(slot * 4 + 3), q_smem.index(3).permute((1, 0)), s_lat, is_async=True)
+        unit = unit_bufs.index(slot).load(heads_s)
+        keys = lo + i * BN + gl.arange(0, BN, layout=keys_s)
+        s_pe, s_lat = warpgroup_mma_wait(0, deps=(s_pe, s_lat))
+        s = (s_lat * (down * unit)[None, :] + s_pe) * qk_scale
+        s = gl.where((keys < hi)[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :])
+        l_rows = l_rows * alpha[None, :] + p
+        m_i = m_new
+        factor = alpha * (g / unit)
+        g = unit
+        mbarrier.wait(p_free.index(slot), phase ^ 1)  # the values warps are done with tile i - 2's
+        p_bufs.index(slot).store(p.to(gl.float16))
+        f_bufs.index(slot).store(factor)
+        fence_async_shared()
+        mbarrier.arrive(p_ready.index(slot), count=1)
+    l_i = gl.sum(l_rows, axis=0)
+    if DIRECT:
+        l_buf.store(l_i)
+        mbarrier.arrive(done, count=1)
+    else:
+        h = gl.arange(0, H, layout=heads_s)
+        part = (row * num_heads + head0 + h) * num_splits + split
+        gl.store(PART_ML + part * 2, m_i, mask=h < GROUP)
+        gl.store(PART_ML + part * 2 + 1, l_i, mask=h < GROUP)
+
+
+@gluon.jit
+def _dense_values_warps(OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, p_bufs,
+                        f_bufs, l_buf, kv_bufs, unit_bufs, kv_empty, p_ready, p_free, done, GROUP: gl.constexpr,
+                        BN: gl.constexpr, L: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr):
+    """One warp group: ``kv^T @ p`` per 128-dim latent chunk (dims as the MMA's M) from
+    :func:`_dense_scores_warps`' probabilities and factors, then the split's output (normalised into
+    ``OUT`` with one split, else its partial output)."""
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
+    heads_o: gl.constexpr = gl.SliceLayout(0, o_l)
+    g = gl.full([H], 1.0, gl.float32, layout=heads_o)
+    o0 = gl.zeros([128, H], gl.float32, layout=o_l)
+    o1 = gl.zeros([128, H], gl.float32, layout=o_l)
+    o2 = gl.zeros([128, H], gl.float32, layout=o_l)
+    o3 = gl.zeros([128, H], gl.float32, layout=o_l)
+    for i in range(gl.cdiv(hi - lo, BN)):
+        slot = i % 2
+        mbarrier.wait(p_ready.index(slot), (i // 2) & 1)
+        f = f_bufs.index(slot).load(heads_o)[None, :]
+        g = unit_bufs.index(slot).load(heads_o)
+        # rescaled before the first MMA is issued: a register written between asynchronous MMAs
+        # makes ptxas serialise them
+        o0 = o0 * f
+        o1 = o1 * f
+        o2 = o2 * f
+        o3 = o3 * f
+        o0 = warpgroup_mma(kv_bufs.index(slot * 4).permute((1, 0)), p_bufs.index(slot), o0, is_async=True)
+        o1 = warpgroup_mma(kv_bufs.index(slot * 4 + 1).permute((1, 0)), p_bufs.index(slot), o1, is_async=True)
+        o2 = warpgroup_mma(kv_bufs.index(slot * 4 + 2).permute((1, 0)), p_bufs.index(slot), o2, is_async=True)
+        o3 = warpgroup_mma(kv_bufs.index(slot * 4 + 3).permute((1, 0)), p_bufs.index(slot), o3, is_async=True)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        mbarrier.arrive(p_free.index(slot), count=1)
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+    heads = gl.arange(0, H, layout=heads_o)
+    if DIRECT:
+        mbarrier.wait(done, 0)
+        l_i = l_buf.load(heads_o)
+        g = g / gl.where(l_i == 0.0, 1.0, l_i)
+        at = OUT + row * stride_ot + (head0 + heads)[None, :] * stride_oh
+    else:
+        at = PART_O + ((row * num_heads + head0 + heads) * num_splits + split)[None, :] * L
+    dims = gl.arange(0, 128, layout=gl.SliceLayout(1, o_l))[:, None]
+    live = (heads < GROUP)[None, :]
+    f = g[None, :]
+    if DIRECT:
+        gl.store(at + dims, (o0 * f).to(OUT.dtype.element_ty), mask=live)
+        gl.store(at + 128 + dims, (o1 * f).to(OUT.dtype.element_ty), mask=live)
+        gl.store(at + 256 + dims, (o2 * f).to(OUT.dtype.element_ty), mask=live)
+        gl.store(at + 384 + dims, (o3 * f).to(OUT.dtype.element_ty), mask=live)
+    else:
+        gl.store(at + dims, o0 * f, mask=live)
+        gl.store(at + 128 + dims, o1 * f, mask=live)
+        gl.store(at + 256 + dims, o2 * f, mask=live)
+        gl.store(at + 384 + dims, o3 * f, mask=live)
+
+
+@gluon.jit
+def dense_mla_kernel(
+    Q_LAT, Q_PE, CODES, ROPE_VALUES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML, qk_scale,
+    num_splits, num_heads,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_ot, stride_oh,
+    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr,
+    H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
+    VALUES_WARP_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_WARP_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
+):
+    """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
+    ``SPLIT`` keys): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's positions up to its
+    own. ``CODES`` / ``ROPE_VALUES``: the cache's bytes as float32 words / bf16 values (strides in
+    bytes). See the module docstring."""
+    row = gl.program_id(0).to(gl.int64)
+    head0 = gl.program_id(1) * GROUP
+    split = gl.program_id(2)
+    lo = split * SPLIT
+    hi = gl.minimum(lo + SPLIT, gl.load(POSITIONS + row) + 1).to(gl.int32)
+    hi = gl.where(gl.load(IS_PADDING + row) == 0, hi, lo)
+    table_row = gl.load(TOKEN_TO_REQ + row).to(gl.int64) * stride_table
+    f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
+    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_smem = gl.allocate_shared_memory(gl.float16, [4, H, 128], f16_sl)
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], f16_sl)
+    kv_bufs = gl.allocate_shared_memory(gl.float16, [8, BN, 128], f16_sl)
+    pe_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], f16_sl)
+    p_bufs = gl.allocate_shared_memory(gl.float16, [2, BN, H], p_sl)
+    f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
+    unit_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
+    l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(2):
+        mbarrier.init(kv_ready.index(b), count=1)
+        mbarrier.init(kv_empty.index(b), count=1)
+        mbarrier.init(p_ready.index(b), count=1)
+        mbarrier.init(p_free.index(b), count=1)
+    mbarrier.init(done, count=1)
+    gl.warp_specialize([
+        (_dense_scores_warps, (Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
+                               stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf,
+                               kv_bufs, pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP, BN, H, DIRECT)),
+        (_dense_values_warps, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh,
+                               p_bufs, f_bufs, l_buf, kv_bufs, unit_bufs, kv_empty, p_ready, p_free, done, GROUP,
+                               BN, L, H, DIRECT)),
+        (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_bufs, pe_bufs,
+                                unit_bufs, kv_ready, kv_empty, 0, BLOCK_SIZE, BN, L, H)),
+        (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_bufs, pe_bufs,
+                                unit_bufs, kv_ready, kv_empty, 1, BLOCK_SIZE, BN, L, H)),
+    ], [4, 4, 4], [VALUES_WARP_REGS, DEQUANT_WARP_REGS, DEQUANT_WARP_REGS])

@@ -39,6 +39,9 @@ ROW_MODE_MAX_ROWS = 256
 #: keys per split in per-row mode (a multiple of every key tile)
 GQA_SPLIT = 2048
 MLA_SPLIT = 1024
+#: keys per split of a decode row in the Gluon dense fp8_ds_mla kernel, and its heads per program
+DENSE_GLUON_SPLIT = 1024
+DENSE_GLUON_HEADS = 16
 #: one split covering every key (tile mode; a single-split row)
 NO_SPLIT = 1 << 30
 #: query rows x heads stacked into one tile in tile mode
@@ -83,7 +86,7 @@ class MlaTiles:
     table_in_registers: bool = True  # per-row splits: see triton_kernels.split_blocks
     separate_loads: bool = False  # dense fp8_ds_mla rows: see triton_kernels.latent_scores
     dequant_tile: bool = False  # fp8_ds_mla rows: see triton_kernels.dequantized_latent
-    gluon: bool = False  # sparse fp8_ds_mla rows on Hopper: gluon_kernels.sparse_mla_kernel (see gluon_sparse_fits)
+    gluon: bool = False  # fp8_ds_mla rows on Hopper: gluon_kernels.{sparse,dense}_mla_kernel (gluon_*_fits)
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -101,7 +104,9 @@ GQA_FP8_TILES = GqaTiles(bn=128, stages=3, f16_dots=True)
 GQA_PREFILL_TILES = GqaTiles()
 INDEXER_TILES = IndexerTiles()
 MLA_TILES = MlaTiles(bn=64, stages=2)
-MLA_FP8_TILES = MlaTiles(bn=32, stages=3, separate_loads=True)
+MLA_FP8_TILES = MlaTiles(bn=32, stages=3, separate_loads=True, gluon=True)
+#: the same launches with the Triton kernel only (what runs off Hopper)
+MLA_FP8_TRITON_TILES = dataclasses.replace(MLA_FP8_TILES, gluon=False)
 MLA_PREFILL_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, dequant_tile=True, gluon=True)
 #: the same launches with the Triton kernel only (what runs off Hopper)
@@ -183,13 +188,30 @@ def gluon_sparse_fits(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     compiled Triton (not the interpreter) on a Hopper GPU (sm_90: warp-group MMA and 227 KB of
     shared memory per program), fp8_ds_mla rows of DeepSeek's widths (512 latent + 64 RoPE dims)
     starting at multiples of 16 bytes (16-byte copies), bf16 queries, heads in blocks of 64."""
+    return q_lat.shape[1] % 64 == 0 and _gluon_ds_mla_rows(q_lat, q_pe, cache, ds_mla)
+
+
+def _gluon_ds_mla_rows(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, ds_mla: bool) -> bool:
+    """What both Gluon MLA kernels need: compiled Triton on sm_90, bf16 queries of 512 + 64 dims,
+    656-byte fp8_ds_mla rows starting at multiples of 16 bytes."""
     from triton import knobs
 
     size = cache.element_size()
     return (ds_mla and q_lat.is_cuda and not knobs.runtime.interpret and _hopper(q_lat.device.index)
             and q_lat.dtype == q_pe.dtype == torch.bfloat16 and q_lat.shape[2] == 512 and q_pe.shape[2] == 64
-            and q_lat.shape[1] % 64 == 0 and cache.shape[-1] * size == 656 and cache.data_ptr() % 16 == 0
+            and cache.shape[-1] * size == 656 and cache.data_ptr() % 16 == 0
             and cache.stride(0) * size % 16 == 0 and cache.stride(1) * size % 16 == 0)
+
+
+def gluon_dense_fits(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, ds_mla: bool,
+                     tiles: Tiles) -> bool:
+    """Whether dense MLA runs :func:`pcppass.kernels.attention.gluon_kernels.dense_mla_kernel`: as
+    :func:`gluon_sparse_fits` (sm_90, compiled Triton, fp8_ds_mla rows of DeepSeek's widths at
+    16-byte multiples, bf16 queries), for decode rows (one program per row) of at most
+    :data:`DENSE_GLUON_HEADS` heads or blocks of them."""
+    heads = q_lat.shape[1]
+    return (tiles.row_mode and (heads <= DENSE_GLUON_HEADS or heads % DENSE_GLUON_HEADS == 0)
+            and _gluon_ds_mla_rows(q_lat, q_pe, cache, ds_mla))
 
 
 def kernels(name: str = "triton_kernels") -> ModuleType:
@@ -390,6 +412,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     if mla_heads_per_program(heads, tiles) != group:
         raise ValueError(f"mla_attention: launch shape {tiles} stacks a different number of heads")
     span = index.shape[1] if sparse else rows.tables.shape[1] * bs
+    if not sparse and tiles.gluon and gluon_dense_fits(q_lat, q_pe, cache, ds_mla, schedule):
+        return dense_mla_gluon(q_lat, q_pe, cache, rows, scale)
     splits, split = _splits(schedule, span, tiles.sparse_split if sparse else MLA_SPLIT)
     out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat.dtype, q_lat.device)
     if ds_mla:
@@ -437,6 +461,30 @@ def sparse_mla_gluon(q_lat, q_pe, cache, rows: StepRows, index, out, part_o, par
             rows.tables.stride(0), index.stride(0), out.stride(0), out.stride(1),
             BLOCK_SIZE=flat.shape[1], SPLIT=split, DIRECT=splits == 1, num_warps=4,
         )
+
+
+def dense_mla_gluon(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
+                    split: int | None = None) -> torch.Tensor:
+    """:func:`~pcppass.kernels.attention.gluon_kernels.dense_mla_kernel` over fp8_ds_mla rows
+    ``cache [nb, bs, 656]``, decode rows: one program per (row, block of up to
+    :data:`DENSE_GLUON_HEADS` heads, split of ``split`` keys, default :data:`DENSE_GLUON_SPLIT`),
+    merged by :func:`_combine` -> ``[T, H, 512]``."""
+    t, heads, lat = q_lat.shape
+    split = split or DENSE_GLUON_SPLIT
+    flat = cache.view(torch.uint8).reshape(cache.shape[0], cache.shape[1], -1)
+    splits = max(1, -(-rows.tables.shape[1] * cache.shape[1] // split))
+    out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat.dtype, q_lat.device)
+    group = min(heads, DENSE_GLUON_HEADS)
+    if t:
+        kernels("gluon_kernels").dense_mla_kernel[(t, heads // group, splits)](
+            q_lat, q_pe, flat.view(torch.float32), flat.view(torch.bfloat16), rows.tables, rows.positions,
+            rows.token_to_req, rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
+            rows.tables.stride(0), out.stride(0), out.stride(1),
+            BLOCK_SIZE=flat.shape[1], SPLIT=split, GROUP=group, DIRECT=splits == 1, num_warps=4,
+        )
+    _combine(out, part_o, part_ml, rows.is_padding, splits)
+    return out
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, rows: StepRows,
