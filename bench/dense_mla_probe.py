@@ -9,10 +9,10 @@ pass the ring's mbarriers on, so its time is what those warp groups alone need:
 * ``mma only``: the scores and values warp groups over whatever the ring holds (a stand-in marks each
   slot full as soon as it is free): the MMAs, the softmax and the hand-over between the two;
 * ``scores only`` / ``values only``: one MMA warp group, the other a stand-in;
-* ``dequant only``: the two dequant warp groups, a stand-in consumer freeing each slot once full: the
-  loads and conversions;
-* ``loads only``: the dequant warp groups' global loads, no conversion (each tile's words summed into
-  one value per thread so the loads are kept).
+* ``dequant only``: the dequant warps, a stand-in consumer freeing each slot once full: the loads
+  and conversions;
+* ``loads only``: two warp groups loading alternate tiles' codes, no conversion (each tile's words
+  summed into one value per thread so the loads are kept).
 
 Outputs of the probes are meaningless; the kernel's output is compared with the launcher's Triton
 kernel. Writes ``<out>/dense_mla_probe_<tag>.json`` and ``.md``.
@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from pcppass.kernels.attention.gluon_kernels import (
     DENSE_BN,
     DENSE_DEQUANT_REGS,
+    DENSE_DEQUANT_WARPS,
     DENSE_HEADS,
     DENSE_VALUES_REGS,
     LATENT,
@@ -110,6 +111,7 @@ def dense_probe_kernel(
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, PROBE: gl.constexpr,
     H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
     VALUES_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
+    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS,
 ):
     """``dense_mla_kernel``'s program with the warp groups of ``PROBE`` (see the module docstring)."""
     row = gl.program_id(0).to(gl.int64)
@@ -124,7 +126,10 @@ def dense_probe_kernel(
     plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(gl.float16, [4, H, 128], f16_sl)
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], f16_sl)
-    kv_bufs = gl.allocate_shared_memory(gl.float16, [8, BN, 128], f16_sl)
+    kv0 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
+    kv1 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
+    kv2 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
+    kv3 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
     pe_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], f16_sl)
     p_bufs = gl.allocate_shared_memory(gl.float16, [2, BN, H], p_sl)
     f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
@@ -145,9 +150,9 @@ def dense_probe_kernel(
         gl.warp_specialize([
             (_dense_scores_warps, (Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
                                    stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf,
-                                   kv_bufs, pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP, BN, H, False)),
+                                   kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP, BN, H, False)),
             (_dense_values_warps, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh,
-                                   p_bufs, f_bufs, l_buf, kv_bufs, unit_bufs, kv_empty, p_ready, p_free, done, GROUP,
+                                   p_bufs, f_bufs, l_buf, kv0, kv1, kv2, kv3, unit_bufs, kv_empty, p_ready, p_free, done, GROUP,
                                    BN, L, H, False)),
             (_fill_standin, (kv_ready, kv_empty, unit_bufs, lo, hi, BN, H)),
         ], [4, 4], [VALUES_REGS, 80])
@@ -155,7 +160,7 @@ def dense_probe_kernel(
         gl.warp_specialize([
             (_dense_scores_warps, (Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
                                    stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf,
-                                   kv_bufs, pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP, BN, H, False)),
+                                   kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP, BN, H, False)),
             (_values_standin, (p_ready, p_free, kv_empty, lo, hi, BN)),
             (_fill_standin, (kv_ready, kv_empty, unit_bufs, lo, hi, BN, H)),
         ], [4, 4], [80, 80])
@@ -163,18 +168,17 @@ def dense_probe_kernel(
         gl.warp_specialize([
             (_scores_standin, (p_ready, p_free, kv_ready, lo, hi, BN)),
             (_dense_values_warps, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh,
-                                   p_bufs, f_bufs, l_buf, kv_bufs, unit_bufs, kv_empty, p_ready, p_free, done, GROUP,
+                                   p_bufs, f_bufs, l_buf, kv0, kv1, kv2, kv3, unit_bufs, kv_empty, p_ready, p_free, done, GROUP,
                                    BN, L, H, False)),
             (_fill_standin, (kv_ready, kv_empty, unit_bufs, lo, hi, BN, H)),
         ], [4, 4], [VALUES_REGS, 80])
     elif PROBE == "dequant only":
         gl.warp_specialize([
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
-            (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_bufs,
-                                    pe_bufs, unit_bufs, kv_ready, kv_empty, 0, BLOCK_SIZE, BN, L, H)),
-            (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_bufs,
-                                    pe_bufs, unit_bufs, kv_ready, kv_empty, 1, BLOCK_SIZE, BN, L, H)),
-        ], [4, 4], [DEQUANT_REGS, DEQUANT_REGS])
+            (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv0, kv1, kv2,
+                                    kv3, pe_bufs, unit_bufs, kv_ready, kv_empty, BLOCK_SIZE, BN, L, H,
+                                    DEQUANT_WARPS)),
+        ], [DEQUANT_WARPS], [DEQUANT_REGS])
     else:  # "loads only"
         gl.warp_specialize([
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),

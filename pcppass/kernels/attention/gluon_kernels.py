@@ -457,6 +457,8 @@ DENSE_HEADS = 16
 #: take the rest)
 DENSE_VALUES_REGS = 112
 DENSE_DEQUANT_REGS = 152
+#: warps converting the key tiles (one partition)
+DENSE_DEQUANT_WARPS = 8
 
 
 @gluon.jit
@@ -471,47 +473,57 @@ def _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE: gl
 
 
 @gluon.jit
-def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_bufs, pe_bufs,
-                         unit_bufs, kv_ready, kv_empty, SLOT: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                         BN: gl.constexpr, L: gl.constexpr, H: gl.constexpr):
-    """4 warps converting every other key tile (tiles ``SLOT``, ``SLOT + 2``, ...) into ring slot
-    ``SLOT``: a tile's codes, scales and RoPE values are loaded from global memory into registers
-    while the MMA warps still read the slot, then converted to float16 in units of the tile's
-    largest scale (:func:`_tile_unit`, :func:`_scaled_codes`). The other dequant warp group
-    converts the tiles in between, so two tiles' loads are in flight."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+def _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE: gl.constexpr,
+                      BN: gl.constexpr, L: gl.constexpr, codes_l: gl.constexpr, rope_l: gl.constexpr):
+    """The loads of the key tile at ``start`` into registers (all masked off past ``hi``): its
+    codes as 32-bit words per 128-dim chunk, each chunk's scales, its RoPE values."""
     keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
-    w = gl.arange(0, 32, layout=gl.SliceLayout(0, codes_l))
-    r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
-    for i in range(SLOT, gl.cdiv(hi - lo, BN), 2):
-        start = lo + i * BN
-        base, live = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN, keys_l)
-        words = CODES + (base // 4)[:, None] + w[None, :]
-        w0 = gl.load(words, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
-        w1 = gl.load(words + 32, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
-        w2 = gl.load(words + 64, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
-        w3 = gl.load(words + 96, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
-        scales = CODES + base // 4 + L // 4
-        s0 = gl.load(scales, mask=live, other=0.0)
-        s1 = gl.load(scales + 1, mask=live, other=0.0)
-        s2 = gl.load(scales + 2, mask=live, other=0.0)
-        s3 = gl.load(scales + 3, mask=live, other=0.0)
-        base_r, live_r = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN,
-                                     gl.SliceLayout(1, rope_l))
-        pe = gl.load(ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None] + r[None, :], mask=live_r[:, None],
-                     other=0.0)
+    base, live = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN, keys_l)
+    words = CODES + (base // 4)[:, None] + gl.arange(0, 32, layout=gl.SliceLayout(0, codes_l))[None, :]
+    w0 = gl.load(words, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
+    w1 = gl.load(words + 32, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
+    w2 = gl.load(words + 64, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
+    w3 = gl.load(words + 96, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
+    scales = CODES + base // 4 + L // 4
+    s0 = gl.load(scales, mask=live, other=0.0)
+    s1 = gl.load(scales + 1, mask=live, other=0.0)
+    s2 = gl.load(scales + 2, mask=live, other=0.0)
+    s3 = gl.load(scales + 3, mask=live, other=0.0)
+    base_r, live_r = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN,
+                                 gl.SliceLayout(1, rope_l))
+    pe = gl.load(ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None]
+                 + gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))[None, :], mask=live_r[:, None], other=0.0)
+    return w0, w1, w2, w3, s0, s1, s2, s3, pe
+
+
+@gluon.jit
+def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv0, kv1, kv2, kv3,
+                         pe_bufs, unit_bufs, kv_ready, kv_empty, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr,
+                         L: gl.constexpr, H: gl.constexpr, WARPS: gl.constexpr):
+    """``WARPS`` warps: each tile's loads are issued one tile ahead into registers (so they fly
+    while the tile before is converted), then the tile is converted to float16 in units of its
+    largest scale (:func:`_tile_unit`, :func:`_scaled_codes`) into the free ring slot."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    w0, w1, w2, w3, s0, s1, s2, s3, pe = _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b,
+                                                           stride_s, BLOCK_SIZE, BN, L, codes_l, rope_l)
+    for i in range(gl.cdiv(hi - lo, BN)):
+        n0, n1, n2, n3, t0, t1, t2, t3, npe = _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row,
+                                                                lo + (i + 1) * BN, hi, stride_b, stride_s, BLOCK_SIZE,
+                                                                BN, L, codes_l, rope_l)
         unit, inverse = _tile_unit(gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
-        mbarrier.wait(kv_empty.index(SLOT), ((i // 2) & 1) ^ 1)
-        kv_bufs.index(SLOT * 4).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
-        kv_bufs.index(SLOT * 4 + 1).store(_scaled_codes(w1, _half2_bits(s1 * inverse)[:, None]))
-        kv_bufs.index(SLOT * 4 + 2).store(_scaled_codes(w2, _half2_bits(s2 * inverse)[:, None]))
-        kv_bufs.index(SLOT * 4 + 3).store(_scaled_codes(w3, _half2_bits(s3 * inverse)[:, None]))
-        pe_bufs.index(SLOT).store(pe)
-        unit_bufs.index(SLOT).store(gl.zeros([H], gl.float32, unit_l) + unit)
+        slot = i % 2
+        mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
+        kv0.index(slot).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
+        kv1.index(slot).store(_scaled_codes(w1, _half2_bits(s1 * inverse)[:, None]))
+        kv2.index(slot).store(_scaled_codes(w2, _half2_bits(s2 * inverse)[:, None]))
+        kv3.index(slot).store(_scaled_codes(w3, _half2_bits(s3 * inverse)[:, None]))
+        pe_bufs.index(slot).store(pe)
+        unit_bufs.index(slot).store(gl.zeros([H], gl.float32, unit_l) + unit)
         fence_async_shared()
-        mbarrier.arrive(kv_ready.index(SLOT), count=1)
+        mbarrier.arrive(kv_ready.index(slot), count=1)
+        w0, w1, w2, w3, s0, s1, s2, s3, pe = n0, n1, n2, n3, t0, t1, t2, t3, npe
 
 
 @gluon.jit
@@ -541,8 +553,8 @@ def _dense_query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_p
 
 @gluon.jit
 def _dense_scores_warps(Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
-                        stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf, kv_bufs,
-                        pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP: gl.constexpr, BN: gl.constexpr,
+                        stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf, kv0, kv1,
+                        kv2, kv3, pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP: gl.constexpr, BN: gl.constexpr,
                         H: gl.constexpr, DIRECT: gl.constexpr):
     """One warp group: per tile the scores (keys as the MMAs' M, the program's heads as N), the
     online softmax over the keys (across the four warps), the probabilities (float16) and the
@@ -562,11 +574,10 @@ def _dense_scores_warps(Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_
         phase = (i // 2) & 1
         mbarrier.wait(kv_ready.index(slot), phase)
         s_pe = warpgroup_mma(pe_bufs.index(slot), qpe_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-        s_lat = warpgroup_mma(kv_bufs.index(slot * 4), q_smem.index(0).permute((1, 0)), zero, use_acc=False,
-                              is_async=True)
-        s_lat = warpgroup_mma(kv_bufs.index(slot * 4 + 1), q_smem.index(1).permute((1, 0)), s_lat, is_async=True)
-        s_lat = warpgroup_mma(kv_bufs.index(slot * 4 + 2), q_smem.index(2).permute((1, 0)), s_lat, is_async=True)
-        s_lat = warpgroup_mma(kv_bufs.index(slot * 4 + 3), q_smem.index(3).permute((1, 0)), s_lat, is_async=True)
+        s_lat = warpgroup_mma(kv0.index(slot), q_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_lat = warpgroup_mma(kv1.index(slot), q_smem.index(1).permute((1, 0)), s_lat, is_async=True)
+        s_lat = warpgroup_mma(kv2.index(slot), q_smem.index(2).permute((1, 0)), s_lat, is_async=True)
+        s_lat = warpgroup_mma(kv3.index(slot), q_smem.index(3).permute((1, 0)), s_lat, is_async=True)
         unit = unit_bufs.index(slot).load(heads_s)
         keys = lo + i * BN + gl.arange(0, BN, layout=keys_s)
         s_pe, s_lat = warpgroup_mma_wait(0, deps=(s_pe, s_lat))
@@ -598,7 +609,7 @@ def _dense_scores_warps(Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_
 
 @gluon.jit
 def _dense_values_warps(OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, p_bufs,
-                        f_bufs, l_buf, kv_bufs, unit_bufs, kv_empty, p_ready, p_free, done, GROUP: gl.constexpr,
+                        f_bufs, l_buf, kv0, kv1, kv2, kv3, unit_bufs, kv_empty, p_ready, p_free, done, GROUP: gl.constexpr,
                         BN: gl.constexpr, L: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr):
     """One warp group: ``kv^T @ p`` per 128-dim latent chunk (dims as the MMA's M) from
     :func:`_dense_scores_warps`' probabilities and factors, then the split's output (normalised into
@@ -621,10 +632,10 @@ def _dense_values_warps(OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, 
         o1 = o1 * f
         o2 = o2 * f
         o3 = o3 * f
-        o0 = warpgroup_mma(kv_bufs.index(slot * 4).permute((1, 0)), p_bufs.index(slot), o0, is_async=True)
-        o1 = warpgroup_mma(kv_bufs.index(slot * 4 + 1).permute((1, 0)), p_bufs.index(slot), o1, is_async=True)
-        o2 = warpgroup_mma(kv_bufs.index(slot * 4 + 2).permute((1, 0)), p_bufs.index(slot), o2, is_async=True)
-        o3 = warpgroup_mma(kv_bufs.index(slot * 4 + 3).permute((1, 0)), p_bufs.index(slot), o3, is_async=True)
+        o0 = warpgroup_mma(kv0.index(slot).permute((1, 0)), p_bufs.index(slot), o0, is_async=True)
+        o1 = warpgroup_mma(kv1.index(slot).permute((1, 0)), p_bufs.index(slot), o1, is_async=True)
+        o2 = warpgroup_mma(kv2.index(slot).permute((1, 0)), p_bufs.index(slot), o2, is_async=True)
+        o3 = warpgroup_mma(kv3.index(slot).permute((1, 0)), p_bufs.index(slot), o3, is_async=True)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         mbarrier.arrive(p_free.index(slot), count=1)
         mbarrier.arrive(kv_empty.index(slot), count=1)
@@ -659,6 +670,7 @@ def dense_mla_kernel(
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr,
     H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
     VALUES_WARP_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_WARP_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
+    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS,
 ):
     """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
     ``SPLIT`` keys): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's positions up to its
@@ -676,7 +688,11 @@ def dense_mla_kernel(
     plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(gl.float16, [4, H, 128], f16_sl)
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], f16_sl)
-    kv_bufs = gl.allocate_shared_memory(gl.float16, [8, BN, 128], f16_sl)
+    # one buffer per latent chunk: stores into different buffers need no barrier between them
+    kv0 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
+    kv1 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
+    kv2 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
+    kv3 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
     pe_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], f16_sl)
     p_bufs = gl.allocate_shared_memory(gl.float16, [2, BN, H], p_sl)
     f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
@@ -696,12 +712,11 @@ def dense_mla_kernel(
     gl.warp_specialize([
         (_dense_scores_warps, (Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
                                stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf,
-                               kv_bufs, pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP, BN, H, DIRECT)),
+                               kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP, BN, H,
+                               DIRECT)),
         (_dense_values_warps, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh,
-                               p_bufs, f_bufs, l_buf, kv_bufs, unit_bufs, kv_empty, p_ready, p_free, done, GROUP,
-                               BN, L, H, DIRECT)),
-        (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_bufs, pe_bufs,
-                                unit_bufs, kv_ready, kv_empty, 0, BLOCK_SIZE, BN, L, H)),
-        (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_bufs, pe_bufs,
-                                unit_bufs, kv_ready, kv_empty, 1, BLOCK_SIZE, BN, L, H)),
-    ], [4, 4, 4], [VALUES_WARP_REGS, DEQUANT_WARP_REGS, DEQUANT_WARP_REGS])
+                               p_bufs, f_bufs, l_buf, kv0, kv1, kv2, kv3, unit_bufs, kv_empty, p_ready, p_free, done,
+                               GROUP, BN, L, H, DIRECT)),
+        (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv0, kv1, kv2, kv3,
+                                pe_bufs, unit_bufs, kv_ready, kv_empty, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS)),
+    ], [4, DEQUANT_WARPS], [VALUES_WARP_REGS, DEQUANT_WARP_REGS])
