@@ -135,6 +135,9 @@ def dense_probe_kernel(
     f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
     unit_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
     l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
+    raw_codes = gl.allocate_shared_memory(gl.int32, [BN, L // 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    raw_scales = gl.allocate_shared_memory(gl.float32, [4, BN], plain1)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -176,8 +179,8 @@ def dense_probe_kernel(
         gl.warp_specialize([
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
             (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv0, kv1, kv2,
-                                    kv3, pe_bufs, unit_bufs, kv_ready, kv_empty, BLOCK_SIZE, BN, L, H,
-                                    DEQUANT_WARPS)),
+                                    kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
+                                    BLOCK_SIZE, BN, L, H, DEQUANT_WARPS)),
         ], [DEQUANT_WARPS], [DEQUANT_REGS])
     else:  # "loads only"
         gl.warp_specialize([

@@ -497,33 +497,87 @@ def _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row, start, hi, stride_b
 
 
 @gluon.jit
+def _dense_copy_tile(CODES, ROPE_VALUES, TABLES, table_row, start, hi, stride_b, stride_s, raw_codes, raw_scales,
+                     raw_rope, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr, codes_l: gl.constexpr,
+                     rope_l: gl.constexpr):
+    """``cp.async`` of the key tile at ``start`` (nothing past ``hi``) into the raw slot, in the
+    layouts :func:`_dense_raw_tile` reads it back with: each thread copies what it later reads, so no
+    barrier orders the copy and the reads."""
+    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
+    base, live = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN, keys_l)
+    w = gl.arange(0, L // 4, layout=gl.SliceLayout(0, codes_l))
+    async_copy.async_copy_global_to_shared(raw_codes, CODES + (base // 4)[:, None] + w[None, :], mask=live[:, None])
+    for c in gl.static_range(4):
+        async_copy.async_copy_global_to_shared(raw_scales.index(c), CODES + base // 4 + L // 4 + c, mask=live)
+    base_r, live_r = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN,
+                                 gl.SliceLayout(1, rope_l))
+    r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
+    async_copy.async_copy_global_to_shared(raw_rope, ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None] + r[None, :],
+                                           mask=live_r[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _dense_raw_tile(raw_codes, raw_scales, raw_rope, codes_l: gl.constexpr, rope_l: gl.constexpr):
+    """The raw slot's tile in registers, as :func:`_dense_tile_loads` returns it."""
+    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
+    return (raw_codes.slice(0, 32, dim=1).load(codes_l), raw_codes.slice(32, 32, dim=1).load(codes_l),
+            raw_codes.slice(64, 32, dim=1).load(codes_l), raw_codes.slice(96, 32, dim=1).load(codes_l),
+            raw_scales.index(0).load(keys_l), raw_scales.index(1).load(keys_l), raw_scales.index(2).load(keys_l),
+            raw_scales.index(3).load(keys_l), raw_rope.load(rope_l))
+
+
+@gluon.jit
+def _dense_convert_tile(w0, w1, w2, w3, s0, s1, s2, s3, pe, i, kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, kv_ready,
+                        kv_empty, H: gl.constexpr, unit_l: gl.constexpr):
+    """Tile ``i`` (codes, scales, RoPE values in registers) into its ring slot once free: float16 in
+    units of the tile's largest scale (:func:`_tile_unit`, :func:`_scaled_codes`)."""
+    unit, inverse = _tile_unit(gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
+    slot = i % 2
+    mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
+    kv0.index(slot).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
+    kv1.index(slot).store(_scaled_codes(w1, _half2_bits(s1 * inverse)[:, None]))
+    kv2.index(slot).store(_scaled_codes(w2, _half2_bits(s2 * inverse)[:, None]))
+    kv3.index(slot).store(_scaled_codes(w3, _half2_bits(s3 * inverse)[:, None]))
+    pe_bufs.index(slot).store(pe)
+    unit_bufs.index(slot).store(gl.zeros([H], gl.float32, unit_l) + unit)
+    fence_async_shared()
+    mbarrier.arrive(kv_ready.index(slot), count=1)
+
+
+@gluon.jit
 def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv0, kv1, kv2, kv3,
-                         pe_bufs, unit_bufs, kv_ready, kv_empty, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr,
-                         L: gl.constexpr, H: gl.constexpr, WARPS: gl.constexpr):
-    """``WARPS`` warps: each tile's loads are issued one tile ahead into registers (so they fly
-    while the tile before is converted), then the tile is converted to float16 in units of its
-    largest scale (:func:`_tile_unit`, :func:`_scaled_codes`) into the free ring slot."""
+                         pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
+                         BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr, H: gl.constexpr,
+                         WARPS: gl.constexpr):
+    """``WARPS`` warps keeping two key tiles in flight: even tiles come through a raw slot in shared
+    memory (``cp.async`` issued two tiles ahead), odd tiles through registers (loads issued two
+    tiles ahead), so while one tile is converted (:func:`_dense_convert_tile`) the next two are
+    being loaded."""
     codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    w0, w1, w2, w3, s0, s1, s2, s3, pe = _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b,
-                                                           stride_s, BLOCK_SIZE, BN, L, codes_l, rope_l)
-    for i in range(gl.cdiv(hi - lo, BN)):
-        n0, n1, n2, n3, t0, t1, t2, t3, npe = _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row,
-                                                                lo + (i + 1) * BN, hi, stride_b, stride_s, BLOCK_SIZE,
+    n_tiles = gl.cdiv(hi - lo, BN)
+    _dense_copy_tile(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, raw_codes, raw_scales, raw_rope,
+                     BLOCK_SIZE, BN, L, codes_l, rope_l)
+    r0, r1, r2, r3, q0, q1, q2, q3, rpe = _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row, lo + BN, hi,
+                                                            stride_b, stride_s, BLOCK_SIZE, BN, L, codes_l, rope_l)
+    for k in range(gl.cdiv(n_tiles, 2)):
+        i = 2 * k
+        async_copy.wait_group(0)
+        w0, w1, w2, w3, s0, s1, s2, s3, pe = _dense_raw_tile(raw_codes, raw_scales, raw_rope, codes_l, rope_l)
+        _dense_copy_tile(CODES, ROPE_VALUES, TABLES, table_row, lo + (i + 2) * BN, hi, stride_b, stride_s, raw_codes,
+                         raw_scales, raw_rope, BLOCK_SIZE, BN, L, codes_l, rope_l)
+        _dense_convert_tile(w0, w1, w2, w3, s0, s1, s2, s3, pe, i, kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, kv_ready,
+                            kv_empty, H, unit_l)
+        w0, w1, w2, w3, s0, s1, s2, s3, pe = r0, r1, r2, r3, q0, q1, q2, q3, rpe
+        r0, r1, r2, r3, q0, q1, q2, q3, rpe = _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row,
+                                                                lo + (i + 3) * BN, hi, stride_b, stride_s, BLOCK_SIZE,
                                                                 BN, L, codes_l, rope_l)
-        unit, inverse = _tile_unit(gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
-        slot = i % 2
-        mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
-        kv0.index(slot).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
-        kv1.index(slot).store(_scaled_codes(w1, _half2_bits(s1 * inverse)[:, None]))
-        kv2.index(slot).store(_scaled_codes(w2, _half2_bits(s2 * inverse)[:, None]))
-        kv3.index(slot).store(_scaled_codes(w3, _half2_bits(s3 * inverse)[:, None]))
-        pe_bufs.index(slot).store(pe)
-        unit_bufs.index(slot).store(gl.zeros([H], gl.float32, unit_l) + unit)
-        fence_async_shared()
-        mbarrier.arrive(kv_ready.index(slot), count=1)
-        w0, w1, w2, w3, s0, s1, s2, s3, pe = n0, n1, n2, n3, t0, t1, t2, t3, npe
+        if i + 1 < n_tiles:
+            _dense_convert_tile(w0, w1, w2, w3, s0, s1, s2, s3, pe, i + 1, kv0, kv1, kv2, kv3, pe_bufs, unit_bufs,
+                                kv_ready, kv_empty, H, unit_l)
+    async_copy.wait_group(0)
 
 
 @gluon.jit
@@ -685,6 +739,7 @@ def dense_mla_kernel(
     table_row = gl.load(TOKEN_TO_REQ + row).to(gl.int64) * stride_table
     f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(gl.float16, [4, H, 128], f16_sl)
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], f16_sl)
@@ -698,6 +753,9 @@ def dense_mla_kernel(
     f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
     unit_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
     l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
+    raw_codes = gl.allocate_shared_memory(gl.int32, [BN, L // 4], plain2)
+    raw_scales = gl.allocate_shared_memory(gl.float32, [4, BN], plain1)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], plain2)
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -718,5 +776,6 @@ def dense_mla_kernel(
                                p_bufs, f_bufs, l_buf, kv0, kv1, kv2, kv3, unit_bufs, kv_empty, p_ready, p_free, done,
                                GROUP, BN, L, H, DIRECT)),
         (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv0, kv1, kv2, kv3,
-                                pe_bufs, unit_bufs, kv_ready, kv_empty, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS)),
+                                pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty, BLOCK_SIZE,
+                                BN, L, H, DEQUANT_WARPS)),
     ], [4, DEQUANT_WARPS], [VALUES_WARP_REGS, DEQUANT_WARP_REGS])
