@@ -135,6 +135,7 @@ def dense_probe_kernel(
     f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
     unit_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
     l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
+    bases = gl.allocate_shared_memory(gl.int32, [SPLIT // BN, BN], plain1)
     raw_codes = gl.allocate_shared_memory(gl.int32, [BN, L // 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     raw_scales = gl.allocate_shared_memory(gl.float32, [4, BN], plain1)
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -178,9 +179,9 @@ def dense_probe_kernel(
     elif PROBE == "dequant only":
         gl.warp_specialize([
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
-            (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv0, kv1, kv2,
-                                    kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
-                                    BLOCK_SIZE, BN, L, H, DEQUANT_WARPS)),
+            (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0,
+                                    kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready,
+                                    kv_empty, SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS)),
         ], [DEQUANT_WARPS], [DEQUANT_REGS])
     else:  # "loads only"
         gl.warp_specialize([

@@ -462,55 +462,42 @@ DENSE_DEQUANT_WARPS = 8
 
 
 @gluon.jit
-def _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr,
-                layout: gl.constexpr):
-    """Cache byte offsets of the keys ``[start, start + BN)`` (multiples of 16 bytes: the launcher
-    checks) and which of them are ``< hi``."""
-    j = start + gl.arange(0, BN, layout=layout)
+def _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT: gl.constexpr,
+                   BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr):
+    """The split's keys as cache offsets in 16-byte units into ``bases [SPLIT // BN, BN]`` (int32:
+    the launcher checks the cache's bytes fit; -1 past ``hi``), once, so a tile's copies never wait
+    for its block-table loads."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
+    n = (gl.arange(0, SPLIT // BN, layout=gl.SliceLayout(1, layout))[:, None] * BN
+         + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))[None, :])
+    j = lo + n
     live = j < hi
     block = gl.load(TABLES + table_row + j // BLOCK_SIZE, mask=live, other=0).to(gl.int64)
-    return gl.multiple_of(block * stride_b + (j % BLOCK_SIZE).to(gl.int64) * stride_s, [16]), live
+    offset = (block * stride_b + (j % BLOCK_SIZE).to(gl.int64) * stride_s) // 16
+    bases._reinterpret(gl.int32, [SPLIT // BN, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(
+        gl.where(live, offset, -1).to(gl.int32))
 
 
 @gluon.jit
-def _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE: gl.constexpr,
-                      BN: gl.constexpr, L: gl.constexpr, codes_l: gl.constexpr, rope_l: gl.constexpr):
-    """The loads of the key tile at ``start`` into registers (all masked off past ``hi``): its
-    codes as 32-bit words per 128-dim chunk, each chunk's scales, its RoPE values."""
-    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
-    base, live = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN, keys_l)
-    words = CODES + (base // 4)[:, None] + gl.arange(0, 32, layout=gl.SliceLayout(0, codes_l))[None, :]
-    w0 = gl.load(words, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
-    w1 = gl.load(words + 32, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
-    w2 = gl.load(words + 64, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
-    w3 = gl.load(words + 96, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
-    scales = CODES + base // 4 + L // 4
-    s0 = gl.load(scales, mask=live, other=0.0)
-    s1 = gl.load(scales + 1, mask=live, other=0.0)
-    s2 = gl.load(scales + 2, mask=live, other=0.0)
-    s3 = gl.load(scales + 3, mask=live, other=0.0)
-    base_r, live_r = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN,
-                                 gl.SliceLayout(1, rope_l))
-    pe = gl.load(ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None]
-                 + gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))[None, :], mask=live_r[:, None], other=0.0)
-    return w0, w1, w2, w3, s0, s1, s2, s3, pe
+def _dense_tile_offsets(bases, tile, layout: gl.constexpr):
+    """Tile ``tile``'s cache byte offsets (dead keys at 0: 16-byte copies) and which keys are live."""
+    offset = bases.index(tile).load(layout)
+    live = offset >= 0
+    return gl.multiple_of(gl.where(live, offset, 0).to(gl.int64) * 16, [16]), live
 
 
 @gluon.jit
-def _dense_copy_tile(CODES, ROPE_VALUES, TABLES, table_row, start, hi, stride_b, stride_s, raw_codes, raw_scales,
-                     raw_rope, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr, codes_l: gl.constexpr,
-                     rope_l: gl.constexpr):
-    """``cp.async`` of the key tile at ``start`` (nothing past ``hi``) into the raw slot, in the
-    layouts :func:`_dense_raw_tile` reads it back with: each thread copies what it later reads, so no
-    barrier orders the copy and the reads."""
-    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
-    base, live = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN, keys_l)
+def _dense_copy_tile(CODES, ROPE_VALUES, bases, tile, raw_codes, raw_scales, raw_rope, L: gl.constexpr,
+                     codes_l: gl.constexpr, rope_l: gl.constexpr):
+    """``cp.async`` of key tile ``tile`` (nothing past the split's last key) into the raw slot:
+    codes as 32-bit words, each 128-dim chunk's scales, RoPE values; each thread copies the codes
+    and RoPE values it later reads."""
+    base, live = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, codes_l))
     w = gl.arange(0, L // 4, layout=gl.SliceLayout(0, codes_l))
     async_copy.async_copy_global_to_shared(raw_codes, CODES + (base // 4)[:, None] + w[None, :], mask=live[:, None])
     for c in gl.static_range(4):
         async_copy.async_copy_global_to_shared(raw_scales.index(c), CODES + base // 4 + L // 4 + c, mask=live)
-    base_r, live_r = _dense_rows(TABLES, table_row, start, hi, stride_b, stride_s, BLOCK_SIZE, BN,
-                                 gl.SliceLayout(1, rope_l))
+    base_r, live_r = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, rope_l))
     r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
     async_copy.async_copy_global_to_shared(raw_rope, ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None] + r[None, :],
                                            mask=live_r[:, None])
@@ -518,66 +505,56 @@ def _dense_copy_tile(CODES, ROPE_VALUES, TABLES, table_row, start, hi, stride_b,
 
 
 @gluon.jit
-def _dense_raw_tile(raw_codes, raw_scales, raw_rope, codes_l: gl.constexpr, rope_l: gl.constexpr):
-    """The raw slot's tile in registers, as :func:`_dense_tile_loads` returns it."""
-    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
-    return (raw_codes.slice(0, 32, dim=1).load(codes_l), raw_codes.slice(32, 32, dim=1).load(codes_l),
-            raw_codes.slice(64, 32, dim=1).load(codes_l), raw_codes.slice(96, 32, dim=1).load(codes_l),
-            raw_scales.index(0).load(keys_l), raw_scales.index(1).load(keys_l), raw_scales.index(2).load(keys_l),
-            raw_scales.index(3).load(keys_l), raw_rope.load(rope_l))
+def _dense_tile_unit(raw_scales, BN: gl.constexpr, WARPS: gl.constexpr):
+    """``(F, 1/F)`` (:func:`_tile_unit`) of the raw slot's tile, each warp reading every scale of
+    the tile (a layout repeated across the warps: the reduction stays inside each warp)."""
+    every_warp: gl.constexpr = gl.BlockedLayout([BN // 32], [32], [WARPS], [0])
+    largest = gl.maximum(gl.maximum(raw_scales.index(0).load(every_warp), raw_scales.index(1).load(every_warp)),
+                         gl.maximum(raw_scales.index(2).load(every_warp), raw_scales.index(3).load(every_warp)))
+    return _tile_unit(gl.max(largest, axis=0))
 
 
 @gluon.jit
-def _dense_convert_tile(w0, w1, w2, w3, s0, s1, s2, s3, pe, i, kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, kv_ready,
-                        kv_empty, H: gl.constexpr, unit_l: gl.constexpr):
-    """Tile ``i`` (codes, scales, RoPE values in registers) into its ring slot once free: float16 in
-    units of the tile's largest scale (:func:`_tile_unit`, :func:`_scaled_codes`)."""
-    unit, inverse = _tile_unit(gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
-    slot = i % 2
-    mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
-    kv0.index(slot).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
-    kv1.index(slot).store(_scaled_codes(w1, _half2_bits(s1 * inverse)[:, None]))
-    kv2.index(slot).store(_scaled_codes(w2, _half2_bits(s2 * inverse)[:, None]))
-    kv3.index(slot).store(_scaled_codes(w3, _half2_bits(s3 * inverse)[:, None]))
-    pe_bufs.index(slot).store(pe)
-    unit_bufs.index(slot).store(gl.zeros([H], gl.float32, unit_l) + unit)
-    fence_async_shared()
-    mbarrier.arrive(kv_ready.index(slot), count=1)
-
-
-@gluon.jit
-def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv0, kv1, kv2, kv3,
+def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0, kv1, kv2, kv3,
                          pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
-                         BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr, H: gl.constexpr,
-                         WARPS: gl.constexpr):
-    """``WARPS`` warps keeping two key tiles in flight: even tiles come through a raw slot in shared
-    memory (``cp.async`` issued two tiles ahead), odd tiles through registers (loads issued two
-    tiles ahead), so while one tile is converted (:func:`_dense_convert_tile`) the next two are
-    being loaded."""
+                         SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr,
+                         H: gl.constexpr, WARPS: gl.constexpr):
+    """``WARPS`` warps: the split's cache offsets once (:func:`_dense_offsets`), then per key tile:
+    read the raw slot into registers, start the next tile's ``cp.async`` into it, convert this tile
+    to float16 in units of its largest scale (:func:`_tile_unit`, :func:`_scaled_codes`) into the
+    free ring slot with its RoPE values and unit."""
     codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
+    _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE, BN, WARPS)
     n_tiles = gl.cdiv(hi - lo, BN)
-    _dense_copy_tile(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, raw_codes, raw_scales, raw_rope,
-                     BLOCK_SIZE, BN, L, codes_l, rope_l)
-    r0, r1, r2, r3, q0, q1, q2, q3, rpe = _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row, lo + BN, hi,
-                                                            stride_b, stride_s, BLOCK_SIZE, BN, L, codes_l, rope_l)
-    for k in range(gl.cdiv(n_tiles, 2)):
-        i = 2 * k
+    if n_tiles > 0:
+        _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+    for i in range(n_tiles):
         async_copy.wait_group(0)
-        w0, w1, w2, w3, s0, s1, s2, s3, pe = _dense_raw_tile(raw_codes, raw_scales, raw_rope, codes_l, rope_l)
-        _dense_copy_tile(CODES, ROPE_VALUES, TABLES, table_row, lo + (i + 2) * BN, hi, stride_b, stride_s, raw_codes,
-                         raw_scales, raw_rope, BLOCK_SIZE, BN, L, codes_l, rope_l)
-        _dense_convert_tile(w0, w1, w2, w3, s0, s1, s2, s3, pe, i, kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, kv_ready,
-                            kv_empty, H, unit_l)
-        w0, w1, w2, w3, s0, s1, s2, s3, pe = r0, r1, r2, r3, q0, q1, q2, q3, rpe
-        r0, r1, r2, r3, q0, q1, q2, q3, rpe = _dense_tile_loads(CODES, ROPE_VALUES, TABLES, table_row,
-                                                                lo + (i + 3) * BN, hi, stride_b, stride_s, BLOCK_SIZE,
-                                                                BN, L, codes_l, rope_l)
+        w0 = raw_codes.slice(0, 32, dim=1).load(codes_l)
+        w1 = raw_codes.slice(32, 32, dim=1).load(codes_l)
+        w2 = raw_codes.slice(64, 32, dim=1).load(codes_l)
+        w3 = raw_codes.slice(96, 32, dim=1).load(codes_l)
+        s0 = raw_scales.index(0).load(keys_l)
+        s1 = raw_scales.index(1).load(keys_l)
+        s2 = raw_scales.index(2).load(keys_l)
+        s3 = raw_scales.index(3).load(keys_l)
+        pe = raw_rope.load(rope_l)
+        unit, inverse = _dense_tile_unit(raw_scales, BN, WARPS)
         if i + 1 < n_tiles:
-            _dense_convert_tile(w0, w1, w2, w3, s0, s1, s2, s3, pe, i + 1, kv0, kv1, kv2, kv3, pe_bufs, unit_bufs,
-                                kv_ready, kv_empty, H, unit_l)
-    async_copy.wait_group(0)
+            _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+        slot = i % 2
+        mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
+        kv0.index(slot).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
+        kv1.index(slot).store(_scaled_codes(w1, _half2_bits(s1 * inverse)[:, None]))
+        kv2.index(slot).store(_scaled_codes(w2, _half2_bits(s2 * inverse)[:, None]))
+        kv3.index(slot).store(_scaled_codes(w3, _half2_bits(s3 * inverse)[:, None]))
+        pe_bufs.index(slot).store(pe)
+        unit_bufs.index(slot).store(gl.zeros([H], gl.float32, unit_l) + unit)
+        fence_async_shared()
+        mbarrier.arrive(kv_ready.index(slot), count=1)
 
 
 @gluon.jit
@@ -753,6 +730,7 @@ def dense_mla_kernel(
     f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
     unit_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
     l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
+    bases = gl.allocate_shared_memory(gl.int32, [SPLIT // BN, BN], plain1)
     raw_codes = gl.allocate_shared_memory(gl.int32, [BN, L // 4], plain2)
     raw_scales = gl.allocate_shared_memory(gl.float32, [4, BN], plain1)
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], plain2)
@@ -775,7 +753,7 @@ def dense_mla_kernel(
         (_dense_values_warps, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh,
                                p_bufs, f_bufs, l_buf, kv0, kv1, kv2, kv3, unit_bufs, kv_empty, p_ready, p_free, done,
                                GROUP, BN, L, H, DIRECT)),
-        (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, kv0, kv1, kv2, kv3,
-                                pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty, BLOCK_SIZE,
-                                BN, L, H, DEQUANT_WARPS)),
+        (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0, kv1,
+                                kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
+                                SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS)),
     ], [4, DEQUANT_WARPS], [VALUES_WARP_REGS, DEQUANT_WARP_REGS])

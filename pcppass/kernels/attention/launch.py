@@ -40,7 +40,7 @@ ROW_MODE_MAX_ROWS = 256
 GQA_SPLIT = 2048
 MLA_SPLIT = 1024
 #: keys per split of a decode row in the Gluon dense fp8_ds_mla kernel, and its heads per program
-DENSE_GLUON_SPLIT = 1024
+DENSE_GLUON_SPLIT = 2048
 DENSE_GLUON_HEADS = 16
 #: one split covering every key (tile mode; a single-split row)
 NO_SPLIT = 1 << 30
@@ -208,10 +208,12 @@ def gluon_dense_fits(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     """Whether dense MLA runs :func:`pcppass.kernels.attention.gluon_kernels.dense_mla_kernel`: as
     :func:`gluon_sparse_fits` (sm_90, compiled Triton, fp8_ds_mla rows of DeepSeek's widths at
     16-byte multiples, bf16 queries), for decode rows (one program per row) of at most
-    :data:`DENSE_GLUON_HEADS` heads or blocks of them."""
+    :data:`DENSE_GLUON_HEADS` heads or blocks of them, over a cache of less than 32 GiB (the kernel
+    keeps its keys' offsets in 16-byte units as int32)."""
     heads = q_lat.shape[1]
+    cache_bytes = cache.shape[0] * cache.stride(0) * cache.element_size()
     return (tiles.row_mode and (heads <= DENSE_GLUON_HEADS or heads % DENSE_GLUON_HEADS == 0)
-            and _gluon_ds_mla_rows(q_lat, q_pe, cache, ds_mla))
+            and cache_bytes < 1 << 35 and _gluon_ds_mla_rows(q_lat, q_pe, cache, ds_mla))
 
 
 def kernels(name: str = "triton_kernels") -> ModuleType:
