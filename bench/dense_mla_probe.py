@@ -11,8 +11,7 @@ pass the ring's mbarriers on, so its time is what those warp groups alone need:
 * ``scores only`` / ``values only``: one MMA warp group, the other a stand-in;
 * ``dequant only``: the dequant warps, a stand-in consumer freeing each slot once full: the loads
   and conversions;
-* ``loads only``: two warp groups loading alternate tiles' codes, no conversion (each tile's words
-  summed into one value per thread so the loads are kept).
+* ``copies only``: the dequant warps' offsets and ``cp.async`` copies, no conversion.
 
 Outputs of the probes are meaningless; the kernel's output is compared with the launcher's Triton
 kernel. Writes ``<out>/dense_mla_probe_<tag>.json`` and ``.md``.
@@ -26,6 +25,7 @@ import itertools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from pcppass.kernels.attention.gluon_kernels import (
@@ -35,8 +35,9 @@ from pcppass.kernels.attention.gluon_kernels import (
     DENSE_HEADS,
     DENSE_VALUES_REGS,
     LATENT,
+    _dense_copy_tile,
     _dense_dequant_warps,
-    _dense_rows,
+    _dense_offsets,
     _dense_scores_warps,
     _dense_values_warps,
 )
@@ -85,27 +86,28 @@ def _values_standin(p_ready, p_free, kv_empty, lo, hi, BN: gl.constexpr):
 
 
 @gluon.jit
-def _loads_only(CODES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_ready, kv_empty, SINK, SLOT: gl.constexpr,
-                BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr):
-    """The dequant warps' loads of every other tile, no conversion; frees nothing but the ring order."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
-    w = gl.arange(0, 32, layout=gl.SliceLayout(0, codes_l))
-    acc = gl.zeros([BN, 32], gl.int32, codes_l)
-    for i in range(SLOT, gl.cdiv(hi - lo, BN), 2):
-        base, live = _dense_rows(TABLES, table_row, lo + i * BN, hi, stride_b, stride_s, BLOCK_SIZE, BN, keys_l)
-        words = CODES + (base // 4)[:, None] + w[None, :]
-        for c in gl.static_range(L // 128):
-            acc += gl.load(words + 32 * c, mask=live[:, None], other=0.0).to(gl.int32, bitcast=True)
-        mbarrier.wait(kv_empty.index(SLOT), ((i // 2) & 1) ^ 1)
-        mbarrier.arrive(kv_ready.index(SLOT), count=1)
-    gl.store(SINK + gl.program_id(0) * 0 + gl.arange(0, 1, layout=gl.BlockedLayout([1], [32], [4], [0])),
-             gl.sum(gl.sum(acc, axis=1), axis=0) + gl.zeros([1], gl.int32, gl.BlockedLayout([1], [32], [4], [0])))
+def _copies_only(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, raw_codes, raw_scales,
+                 raw_rope, kv_ready, kv_empty, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr,
+                 L: gl.constexpr, WARPS: gl.constexpr):
+    """The dequant warps' offsets and copies, one tile in flight, no conversion."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE, BN, WARPS)
+    n_tiles = gl.cdiv(hi - lo, BN)
+    if n_tiles > 0:
+        _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+    for i in range(n_tiles):
+        async_copy.wait_group(0)
+        if i + 1 < n_tiles:
+            _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+        slot = i % 2
+        mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
+        mbarrier.arrive(kv_ready.index(slot), count=1)
 
 
 @gluon.jit
 def dense_probe_kernel(
-    Q_LAT, Q_PE, CODES, ROPE_VALUES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML, SINK, qk_scale,
+    Q_LAT, Q_PE, CODES, ROPE_VALUES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML, qk_scale,
     num_splits, num_heads,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_ot, stride_oh,
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, PROBE: gl.constexpr,
@@ -183,17 +185,15 @@ def dense_probe_kernel(
                                     kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready,
                                     kv_empty, SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS)),
         ], [DEQUANT_WARPS], [DEQUANT_REGS])
-    else:  # "loads only"
+    else:  # "copies only"
         gl.warp_specialize([
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
-            (_loads_only, (CODES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_ready, kv_empty, SINK, 0,
-                           BLOCK_SIZE, BN, L)),
-            (_loads_only, (CODES, TABLES, table_row, lo, hi, stride_b, stride_s, kv_ready, kv_empty, SINK, 1,
-                           BLOCK_SIZE, BN, L)),
-        ], [4, 4], [DEQUANT_REGS, DEQUANT_REGS])
+            (_copies_only, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, raw_codes,
+                            raw_scales, raw_rope, kv_ready, kv_empty, SPLIT, BLOCK_SIZE, BN, L, DEQUANT_WARPS)),
+        ], [DEQUANT_WARPS], [DEQUANT_REGS])
 
 
-PROBES = ("mma only", "scores only", "values only", "dequant only", "loads only")
+PROBES = ("mma only", "scores only", "values only", "dequant only", "copies only")
 
 
 def probe(name: str, q_lat, q_pe, cache, rows, scale: float, split: int):
@@ -204,10 +204,9 @@ def probe(name: str, q_lat, q_pe, cache, rows, scale: float, split: int):
     flat = cache.view(torch.uint8).reshape(cache.shape[0], cache.shape[1], -1)
     splits = -(-rows.tables.shape[1] * cache.shape[1] // split)
     out, part_o, part_ml = launch._outputs(t, heads, lat, max(splits, 2), q_lat.dtype, q_lat.device)
-    sink = torch.empty(1, dtype=torch.int32, device=q_lat.device)
     dense_probe_kernel[(t, 1, splits)](
         q_lat, q_pe, flat.view(torch.float32), flat.view(torch.bfloat16), rows.tables, rows.positions,
-        rows.token_to_req, rows.is_padding, out, part_o, part_ml, sink, scale * 1.4426950408889634, splits, heads,
+        rows.token_to_req, rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
         rows.tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=flat.shape[1], SPLIT=split, GROUP=heads, PROBE=name, num_warps=4)
