@@ -33,6 +33,7 @@ from pcppass.kernels.attention.gluon_kernels import (
     DENSE_DEQUANT_REGS,
     DENSE_DEQUANT_WARPS,
     DENSE_HEADS,
+    DENSE_PREFETCH,
     DENSE_VALUES_REGS,
     LATENT,
     _dense_copy_tile,
@@ -113,7 +114,7 @@ def dense_probe_kernel(
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, PROBE: gl.constexpr,
     H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
     VALUES_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
-    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS,
+    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
 ):
     """``dense_mla_kernel``'s program with the warp groups of ``PROBE`` (see the module docstring)."""
     row = gl.program_id(0).to(gl.int64)
@@ -183,7 +184,7 @@ def dense_probe_kernel(
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
             (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0,
                                     kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready,
-                                    kv_empty, SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS)),
+                                    kv_empty, SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS, PREFETCH)),
         ], [DEQUANT_WARPS], [DEQUANT_REGS])
     else:  # "copies only"
         gl.warp_specialize([

@@ -459,6 +459,8 @@ DENSE_VALUES_REGS = 112
 DENSE_DEQUANT_REGS = 152
 #: warps converting the key tiles (one partition)
 DENSE_DEQUANT_WARPS = 8
+#: key tiles ahead whose rows the dequant warps prefetch into L2 (1: none)
+DENSE_PREFETCH = 3
 
 
 @gluon.jit
@@ -505,6 +507,25 @@ def _dense_copy_tile(CODES, ROPE_VALUES, bases, tile, raw_codes, raw_scales, raw
 
 
 @gluon.jit
+def _dense_prefetch_tile(CODES, bases, tile, BN: gl.constexpr, WARPS: gl.constexpr):
+    """Key tile ``tile``'s rows prefetched into L2 (``prefetch.global.L2`` of the six 128-byte lines
+    a 656-byte row touches: nothing waits for it, no register or shared memory holds it), so its
+    ``cp.async`` later finds them there."""
+    lines_l: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [WARPS, 1], [1, 0])
+    base, live = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, lines_l))
+    line = gl.arange(0, 8, layout=gl.SliceLayout(0, lines_l))
+    at = CODES + (base // 4)[:, None] + (line * 32)[None, :]
+    gl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        setp.ne.b32 p, $2, 0;
+        @p prefetch.global.L2 [$1];
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r", [at, (live[:, None] & (line < 6)[None, :]).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _dense_tile_unit(raw_scales, BN: gl.constexpr, WARPS: gl.constexpr):
     """``(F, 1/F)`` (:func:`_tile_unit`) of the raw slot's tile, each warp reading every scale of
     the tile (a layout repeated across the warps: the reduction stays inside each warp)."""
@@ -518,7 +539,7 @@ def _dense_tile_unit(raw_scales, BN: gl.constexpr, WARPS: gl.constexpr):
 def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0, kv1, kv2, kv3,
                          pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
                          SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr,
-                         H: gl.constexpr, WARPS: gl.constexpr):
+                         H: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr):
     """``WARPS`` warps: the split's cache offsets once (:func:`_dense_offsets`), then per key tile:
     read the raw slot into registers, start the next tile's ``cp.async`` into it, convert this tile
     to float16 in units of its largest scale (:func:`_tile_unit`, :func:`_scaled_codes`) into the
@@ -531,6 +552,9 @@ def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b
     n_tiles = gl.cdiv(hi - lo, BN)
     if n_tiles > 0:
         _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+    for t in gl.static_range(1, PREFETCH):
+        if t < n_tiles:
+            _dense_prefetch_tile(CODES, bases, t, BN, WARPS)
     for i in range(n_tiles):
         async_copy.wait_group(0)
         w0 = raw_codes.slice(0, 32, dim=1).load(codes_l)
@@ -545,6 +569,8 @@ def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b
         unit, inverse = _dense_tile_unit(raw_scales, BN, WARPS)
         if i + 1 < n_tiles:
             _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+        if i + PREFETCH < n_tiles:
+            _dense_prefetch_tile(CODES, bases, i + PREFETCH, BN, WARPS)
         slot = i % 2
         mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
         kv0.index(slot).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
@@ -701,7 +727,7 @@ def dense_mla_kernel(
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr,
     H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
     VALUES_WARP_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_WARP_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
-    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS,
+    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
 ):
     """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
     ``SPLIT`` keys): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's positions up to its
@@ -755,5 +781,5 @@ def dense_mla_kernel(
                                GROUP, BN, L, H, DIRECT)),
         (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0, kv1,
                                 kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
-                                SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS)),
+                                SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS, PREFETCH)),
     ], [4, DEQUANT_WARPS], [VALUES_WARP_REGS, DEQUANT_WARP_REGS])
