@@ -5,7 +5,8 @@
 Each probe keeps some of the kernel's warp groups and replaces the others with stand-ins that only
 pass the ring's mbarriers on, so its time is what those warp groups alone need:
 
-* ``kernel``: the package's kernel (``launch.dense_mla_gluon``);
+* ``kernel``: the package's kernel (``launch.dense_mla_gluon``), also with other L2 prefetch
+  distances (``PREFETCH``);
 * ``mma only``: the scores and values warp groups over whatever the ring holds (a stand-in marks each
   slot full as soon as it is free): the MMAs, the softmax and the hand-over between the two;
 * ``scores only`` / ``values only``: one MMA warp group, the other a stand-in;
@@ -194,6 +195,8 @@ def dense_probe_kernel(
         ], [DEQUANT_WARPS], [DEQUANT_REGS])
 
 
+#: the kernel's L2 prefetch distance (``PREFETCH``: tiles ahead; 1: none) timed beside its default
+PREFETCH_SWEEP = (1, 2, 4, 6)
 PROBES = ("mma only", "scores only", "values only", "dequant only", "copies only")
 
 
@@ -227,6 +230,10 @@ def measure(rows: int, context: int, split: int, reps: int) -> dict:
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
     entries = [{"probe": "kernel", "us": _time(lambda: launch.dense_mla_gluon(q_lat, q_pe, cache, step, 0.07, split),
                                                reps), "rel_err": err}]
+    for prefetch in PREFETCH_SWEEP:
+        entries.append({"probe": f"kernel, L2 prefetch {prefetch - 1} tiles further" if prefetch > 1 else
+                        "kernel, no L2 prefetch", "us": _time(lambda p=prefetch: launch.dense_mla_gluon(
+                            q_lat, q_pe, cache, step, 0.07, split, PREFETCH=p), reps)})
     for name in PROBES:
         entries.append({"probe": name, "us": _time(lambda name=name: probe(name, q_lat, q_pe, cache, step, 0.07,
                                                                            split), reps)})
