@@ -1,5 +1,7 @@
 """Gluon kernels of :mod:`pcppass.kernels.attention` (Hopper only: warp-group MMA, mbarriers,
 ``cp.async``, warp specialisation), launched by :mod:`pcppass.kernels.attention.launch` on sm_90.
+Both read DeepSeek's fp8_ds_mla rows (512 e4m3 latent codes, a float32 scale per 128 of them, 64
+bf16 RoPE values: 656 bytes) and convert them the same way.
 
 :func:`sparse_mla_kernel` is DeepSeek-V3.2's sparse MLA decode over an fp8_ds_mla cache: each row
 attends to its top-k picks (128 heads, 512 latent + 64 RoPE dims). Its work is MMA work, not
@@ -27,6 +29,25 @@ Program (row, block of 64 heads, split of the picks); 32-key tiles; three warp g
 The output accumulators (two 64 x 128 float32 tiles per MMA warp group) stay in units of the last
 tile's ``F``, rescaled with the softmax's factor. mbarriers order the groups: ready / empty for the
 float16 ring (empty counts both MMA groups), ready / free for the probabilities.
+
+:func:`dense_mla_kernel` is dense MLA decode over an fp8_ds_mla cache with DeepSeek-V2's 16 heads per
+program (DeepSeek-V3 at TP 8 has the same): every position up to the row's own, a split of keys per
+program. Few heads make it a bytes kernel (656 bytes against 16 x 1088 MMA lanes per key), so the
+keys are the MMAs' M (64-key tiles, the heads zero-padded to N = 16) and the work is keeping two
+things apart: the copies in flight and the conversions. Program (row, block of 16 heads, split);
+three partitions, 216-229 KB of shared memory:
+
+* **dequant warps** (8): the split's keys' cache offsets once into shared memory (the block table
+  read once, so a tile's copies never wait for it); per tile the raw slot (codes, scales, RoPE
+  values) read into registers, the next tile's ``cp.async`` into it, the rows of the tile
+  ``PREFETCH - 1`` further prefetched into L2, then the conversion into the free slot of a ring of
+  two float16 tiles (one shared buffer per 128-dim chunk, so no barrier separates their stores), in
+  units of the tile's largest scale as above, each warp reducing the tile's scales itself.
+* **scores warps** (4): ``kv . q_lat`` (float16, four chunks) plus ``k_pe . q_pe`` (bf16), the
+  online softmax over the tile's keys (across the four warps), the float16 probabilities and the
+  accumulators' factor to a double buffer; the running sum kept per key row until the end.
+* **values warps** (4): ``kv^T @ p`` per chunk (128 dims as M), then the output or the split's
+  partial.
 
 Numerics: every e4m3 code is a float16 exactly; a value is its code times its scale over the tile's
 unit, both rounded to float16 (about 2^-10 relative, where the Triton kernel's single bf16 rounding
