@@ -5,12 +5,14 @@
 Each probe keeps some of the kernel's warp groups and replaces the others with stand-ins that only
 pass the ring's mbarriers on, so its time is what those warp groups alone need:
 
-* ``kernel``: the package's kernel (``launch.dense_mla_gluon``);
+* ``kernel``: the package's kernel (``launch.dense_mla_gluon``), also with other L2 prefetch
+  distances (``PREFETCH``);
 * ``mma only``: the scores and values warp groups over whatever the ring holds (a stand-in marks each
   slot full as soon as it is free): the MMAs, the softmax and the hand-over between the two;
 * ``scores only`` / ``values only``: one MMA warp group, the other a stand-in;
-* ``dequant only``: the load and convert warps, a stand-in consumer freeing each slot once full;
-* ``loads only``: the load warps, a stand-in handing each raw tile back at once (no conversion).
+* ``dequant only``: the dequant warps, a stand-in consumer freeing each slot once full: the loads
+  and conversions;
+* ``copies only``: the dequant warps' offsets and ``cp.async`` copies, no conversion.
 
 Outputs of the probes are meaningless; the kernel's output is compared with the launcher's Triton
 kernel. Writes ``<out>/dense_mla_probe_<tag>.json`` and ``.md``.
@@ -24,17 +26,20 @@ import itertools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from pcppass.kernels.attention.gluon_kernels import (
     DENSE_BN,
-    DENSE_CONVERT_REGS,
+    DENSE_DEQUANT_REGS,
+    DENSE_DEQUANT_WARPS,
     DENSE_HEADS,
-    DENSE_LOAD_REGS,
+    DENSE_PREFETCH,
     DENSE_VALUES_REGS,
     LATENT,
-    _dense_convert_warps,
-    _dense_load_warps,
+    _dense_copy_tile,
+    _dense_dequant_warps,
+    _dense_offsets,
     _dense_scores_warps,
     _dense_values_warps,
 )
@@ -83,11 +88,23 @@ def _values_standin(p_ready, p_free, kv_empty, lo, hi, BN: gl.constexpr):
 
 
 @gluon.jit
-def _raw_standin(raw_full, raw_empty, lo, hi, BN: gl.constexpr):
-    """Hands each raw tile back as soon as it is full (no conversion)."""
-    for i in range(gl.cdiv(hi - lo, BN)):
-        mbarrier.wait(raw_full, i & 1)
-        mbarrier.arrive(raw_empty, count=1)
+def _copies_only(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, raw_codes, raw_scales,
+                 raw_rope, kv_ready, kv_empty, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr,
+                 L: gl.constexpr, WARPS: gl.constexpr):
+    """The dequant warps' offsets and copies, one tile in flight, no conversion."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE, BN, WARPS)
+    n_tiles = gl.cdiv(hi - lo, BN)
+    if n_tiles > 0:
+        _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+    for i in range(n_tiles):
+        async_copy.wait_group(0)
+        if i + 1 < n_tiles:
+            _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+        slot = i % 2
+        mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
+        mbarrier.arrive(kv_ready.index(slot), count=1)
 
 
 @gluon.jit
@@ -97,8 +114,8 @@ def dense_probe_kernel(
     stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_ot, stride_oh,
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, PROBE: gl.constexpr,
     H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
-    VALUES_REGS: gl.constexpr = DENSE_VALUES_REGS, CONVERT_REGS: gl.constexpr = DENSE_CONVERT_REGS,
-    LOAD_REGS: gl.constexpr = DENSE_LOAD_REGS,
+    VALUES_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
+    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
 ):
     """``dense_mla_kernel``'s program with the warp groups of ``PROBE`` (see the module docstring)."""
     row = gl.program_id(0).to(gl.int64)
@@ -126,8 +143,6 @@ def dense_probe_kernel(
     raw_codes = gl.allocate_shared_memory(gl.int32, [BN, L // 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     raw_scales = gl.allocate_shared_memory(gl.float32, [4, BN], plain1)
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    raw_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    raw_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -139,8 +154,6 @@ def dense_probe_kernel(
         mbarrier.init(p_ready.index(b), count=1)
         mbarrier.init(p_free.index(b), count=1)
     mbarrier.init(done, count=1)
-    mbarrier.init(raw_full, count=1)
-    mbarrier.init(raw_empty, count=1)
     if PROBE == "mma only":
         gl.warp_specialize([
             (_dense_scores_warps, (Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
@@ -170,20 +183,21 @@ def dense_probe_kernel(
     elif PROBE == "dequant only":
         gl.warp_specialize([
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
-            (_dense_convert_warps, (raw_codes, raw_scales, raw_rope, raw_full, raw_empty, lo, hi, kv0, kv1, kv2, kv3,
-                                    pe_bufs, unit_bufs, kv_ready, kv_empty, BN, H)),
-            (_dense_load_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, raw_codes,
-                                 raw_scales, raw_rope, raw_full, raw_empty, SPLIT, BLOCK_SIZE, BN, L)),
-        ], [4, 4], [CONVERT_REGS, LOAD_REGS])
-    else:  # "loads only"
+            (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0,
+                                    kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready,
+                                    kv_empty, SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS, PREFETCH)),
+        ], [DEQUANT_WARPS], [DEQUANT_REGS])
+    else:  # "copies only"
         gl.warp_specialize([
-            (_raw_standin, (raw_full, raw_empty, lo, hi, BN)),
-            (_dense_load_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, raw_codes,
-                                 raw_scales, raw_rope, raw_full, raw_empty, SPLIT, BLOCK_SIZE, BN, L)),
-        ], [4], [LOAD_REGS])
+            (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
+            (_copies_only, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, raw_codes,
+                            raw_scales, raw_rope, kv_ready, kv_empty, SPLIT, BLOCK_SIZE, BN, L, DEQUANT_WARPS)),
+        ], [DEQUANT_WARPS], [DEQUANT_REGS])
 
 
-PROBES = ("mma only", "scores only", "values only", "dequant only", "loads only")
+#: the kernel's L2 prefetch distance (``PREFETCH``: tiles ahead; 1: none) timed beside its default
+PREFETCH_SWEEP = (1, 2, 4, 6)
+PROBES = ("mma only", "scores only", "values only", "dequant only", "copies only")
 
 
 def probe(name: str, q_lat, q_pe, cache, rows, scale: float, split: int):
@@ -216,6 +230,10 @@ def measure(rows: int, context: int, split: int, reps: int) -> dict:
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
     entries = [{"probe": "kernel", "us": _time(lambda: launch.dense_mla_gluon(q_lat, q_pe, cache, step, 0.07, split),
                                                reps), "rel_err": err}]
+    for prefetch in PREFETCH_SWEEP:
+        entries.append({"probe": f"kernel, L2 prefetch {prefetch - 1} tiles further" if prefetch > 1 else
+                        "kernel, no L2 prefetch", "us": _time(lambda p=prefetch: launch.dense_mla_gluon(
+                            q_lat, q_pe, cache, step, 0.07, split, PREFETCH=p), reps)})
     for name in PROBES:
         entries.append({"probe": name, "us": _time(lambda name=name: probe(name, q_lat, q_pe, cache, step, 0.07,
                                                                            split), reps)})

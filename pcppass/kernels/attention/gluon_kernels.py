@@ -40,7 +40,7 @@ three partitions, 216-229 KB of shared memory:
 * **dequant warps** (8): the split's keys' cache offsets once into shared memory (the block table
   read once, so a tile's copies never wait for it); per tile the raw slot (codes, scales, RoPE
   values) read into registers, the next tile's ``cp.async`` into it, the rows of the tile
-  then the conversion into the free slot of a ring of
+  ``PREFETCH - 1`` further prefetched into L2, then the conversion into the free slot of a ring of
   two float16 tiles (one shared buffer per 128-dim chunk, so no barrier separates their stores), in
   units of the tile's largest scale as above, each warp reducing the tile's scales itself.
 * **scores warps** (4): ``kv . q_lat`` (float16, four chunks) plus ``k_pe . q_pe`` (bf16), the
@@ -474,11 +474,14 @@ def sparse_mla_kernel(
 #: MMAs' N, zero-padded)
 DENSE_BN = 64
 DENSE_HEADS = 16
-#: registers of each values, convert and load thread of the dense kernel (the scores warps take
-#: the rest)
-DENSE_VALUES_REGS = 96
-DENSE_CONVERT_REGS = 128
-DENSE_LOAD_REGS = 200
+#: registers of each values thread and each dequant thread of the dense kernel (the scores warps
+#: take the rest)
+DENSE_VALUES_REGS = 112
+DENSE_DEQUANT_REGS = 152
+#: warps converting the key tiles (one partition)
+DENSE_DEQUANT_WARPS = 8
+#: key tiles ahead whose rows the dequant warps prefetch into L2 (1: none)
+DENSE_PREFETCH = 3
 
 
 @gluon.jit
@@ -507,6 +510,43 @@ def _dense_tile_offsets(bases, tile, layout: gl.constexpr):
 
 
 @gluon.jit
+def _dense_copy_tile(CODES, ROPE_VALUES, bases, tile, raw_codes, raw_scales, raw_rope, L: gl.constexpr,
+                     codes_l: gl.constexpr, rope_l: gl.constexpr):
+    """``cp.async`` of key tile ``tile`` (nothing past the split's last key) into the raw slot:
+    codes as 32-bit words, each 128-dim chunk's scales, RoPE values; each thread copies the codes
+    and RoPE values it later reads."""
+    base, live = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, codes_l))
+    w = gl.arange(0, L // 4, layout=gl.SliceLayout(0, codes_l))
+    async_copy.async_copy_global_to_shared(raw_codes, CODES + (base // 4)[:, None] + w[None, :], mask=live[:, None])
+    for c in gl.static_range(4):
+        async_copy.async_copy_global_to_shared(raw_scales.index(c), CODES + base // 4 + L // 4 + c, mask=live)
+    base_r, live_r = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, rope_l))
+    r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
+    async_copy.async_copy_global_to_shared(raw_rope, ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None] + r[None, :],
+                                           mask=live_r[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _dense_prefetch_tile(CODES, bases, tile, BN: gl.constexpr, WARPS: gl.constexpr):
+    """Key tile ``tile``'s rows prefetched into L2 (``prefetch.global.L2`` of the six 128-byte lines
+    a 656-byte row touches: nothing waits for it, no register or shared memory holds it), so its
+    ``cp.async`` later finds them there."""
+    lines_l: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [WARPS, 1], [1, 0])
+    base, live = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, lines_l))
+    line = gl.arange(0, 8, layout=gl.SliceLayout(0, lines_l))
+    at = CODES + (base // 4)[:, None] + (line * 32)[None, :]
+    gl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        setp.ne.b32 p, $2, 0;
+        @p prefetch.global.L2 [$1];
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r", [at, (live[:, None] & (line < 6)[None, :]).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _dense_tile_unit(raw_scales, BN: gl.constexpr, WARPS: gl.constexpr):
     """``(F, 1/F)`` (:func:`_tile_unit`) of the raw slot's tile, each warp reading every scale of
     the tile (a layout repeated across the warps: the reduction stays inside each warp)."""
@@ -517,84 +557,48 @@ def _dense_tile_unit(raw_scales, BN: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _dense_tile_loads(CODES, ROPE_VALUES, bases, tile, L: gl.constexpr, codes_l: gl.constexpr,
-                      scales_l: gl.constexpr, rope_l: gl.constexpr):
-    """Loads of key tile ``tile`` into registers (nothing past the split's last key): codes as
-    32-bit words ``[BN, L / 4]``, scales ``[4, BN]``, RoPE values ``[BN, 64]``."""
-    base, live = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, codes_l))
-    words = CODES + (base // 4)[:, None] + gl.arange(0, L // 4, layout=gl.SliceLayout(0, codes_l))[None, :]
-    codes = gl.load(words, mask=live[:, None], other=0.0)
-    base_s, live_s = _dense_tile_offsets(bases, tile, gl.SliceLayout(0, scales_l))
-    chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, scales_l))
-    scales = gl.load(CODES + (base_s // 4 + L // 4)[None, :] + chunk[:, None], mask=live_s[None, :], other=0.0)
-    base_r, live_r = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, rope_l))
-    rope = gl.load(ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None]
-                   + gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))[None, :], mask=live_r[:, None], other=0.0)
-    return codes, scales, rope
-
-
-@gluon.jit
-def _dense_tile_to_raw(codes, scales, rope, tile, raw_codes, raw_scales, raw_rope, raw_full, raw_empty,
-                       BN: gl.constexpr, L: gl.constexpr):
-    """A loaded tile into the raw slot once the convert warps are done with the one before."""
-    mbarrier.wait(raw_empty, (tile & 1) ^ 1)
-    raw_codes.store(codes.to(gl.int32, bitcast=True))
-    raw_scales._reinterpret(gl.float32, [4, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(scales)
-    raw_rope.store(rope)
-    mbarrier.arrive(raw_full, count=1)
-
-
-@gluon.jit
-def _dense_load_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, raw_codes, raw_scales,
-                      raw_rope, raw_full, raw_empty, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr,
-                      L: gl.constexpr):
-    """4 warps keeping two key tiles in flight: the split's cache offsets once
-    (:func:`_dense_offsets`), then each tile's loads issued into registers while the tile before
-    waits for the raw slot, so the loads of two tiles overlap. These warps never fence shared
-    memory for the MMAs (a proxy fence waits for every load in flight), the convert warps do."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-    scales_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE, BN, 4)
-    n_tiles = gl.cdiv(hi - lo, BN)
-    a_codes, a_scales, a_rope = _dense_tile_loads(CODES, ROPE_VALUES, bases, 0, L, codes_l, scales_l, rope_l)
-    for k in range(gl.cdiv(n_tiles, 2)):
-        t = 2 * k
-        b_codes, b_scales, b_rope = _dense_tile_loads(CODES, ROPE_VALUES, bases, gl.minimum(t + 1, SPLIT // BN - 1),
-                                                      L, codes_l, scales_l, rope_l)
-        _dense_tile_to_raw(a_codes, a_scales, a_rope, t, raw_codes, raw_scales, raw_rope, raw_full, raw_empty, BN, L)
-        a_codes, a_scales, a_rope = _dense_tile_loads(CODES, ROPE_VALUES, bases, gl.minimum(t + 2, SPLIT // BN - 1),
-                                                      L, codes_l, scales_l, rope_l)
-        if t + 1 < n_tiles:
-            _dense_tile_to_raw(b_codes, b_scales, b_rope, t + 1, raw_codes, raw_scales, raw_rope, raw_full, raw_empty,
-                               BN, L)
-
-
-@gluon.jit
-def _dense_convert_warps(raw_codes, raw_scales, raw_rope, raw_full, raw_empty, lo, hi, kv0, kv1, kv2, kv3, pe_bufs,
-                         unit_bufs, kv_ready, kv_empty, BN: gl.constexpr, H: gl.constexpr):
-    """4 warps: each tile from the raw slot into the free slot of the float16 ring, in units of
-    its largest scale (:func:`_tile_unit`, :func:`_scaled_codes`), with its RoPE values and unit;
-    the raw slot handed back to :func:`_dense_load_warps` once read."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0, kv1, kv2, kv3,
+                         pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
+                         SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr,
+                         H: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr):
+    """``WARPS`` warps: the split's cache offsets once (:func:`_dense_offsets`), then per key tile:
+    read the raw slot into registers, start the next tile's ``cp.async`` into it, convert this tile
+    to float16 in units of its largest scale (:func:`_tile_unit`, :func:`_scaled_codes`) into the
+    free ring slot with its RoPE values and unit."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
-    for i in range(gl.cdiv(hi - lo, BN)):
+    _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE, BN, WARPS)
+    n_tiles = gl.cdiv(hi - lo, BN)
+    if n_tiles > 0:
+        _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+    for t in gl.static_range(1, PREFETCH):
+        if t < n_tiles:
+            _dense_prefetch_tile(CODES, bases, t, BN, WARPS)
+    for i in range(n_tiles):
+        async_copy.wait_group(0)
+        w0 = raw_codes.slice(0, 32, dim=1).load(codes_l)
+        w1 = raw_codes.slice(32, 32, dim=1).load(codes_l)
+        w2 = raw_codes.slice(64, 32, dim=1).load(codes_l)
+        w3 = raw_codes.slice(96, 32, dim=1).load(codes_l)
+        s0 = raw_scales.index(0).load(keys_l)
+        s1 = raw_scales.index(1).load(keys_l)
+        s2 = raw_scales.index(2).load(keys_l)
+        s3 = raw_scales.index(3).load(keys_l)
+        pe = raw_rope.load(rope_l)
+        unit, inverse = _dense_tile_unit(raw_scales, BN, WARPS)
+        if i + 1 < n_tiles:
+            _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+        if i + PREFETCH < n_tiles:
+            _dense_prefetch_tile(CODES, bases, i + PREFETCH, BN, WARPS)
         slot = i % 2
-        mbarrier.wait(raw_full, i & 1)
-        unit, inverse = _dense_tile_unit(raw_scales, BN, 4)
         mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
-        kv0.index(slot).store(_scaled_codes(raw_codes.slice(0, 32, dim=1).load(codes_l),
-                                            _half2_bits(raw_scales.index(0).load(keys_l) * inverse)[:, None]))
-        kv1.index(slot).store(_scaled_codes(raw_codes.slice(32, 32, dim=1).load(codes_l),
-                                            _half2_bits(raw_scales.index(1).load(keys_l) * inverse)[:, None]))
-        kv2.index(slot).store(_scaled_codes(raw_codes.slice(64, 32, dim=1).load(codes_l),
-                                            _half2_bits(raw_scales.index(2).load(keys_l) * inverse)[:, None]))
-        kv3.index(slot).store(_scaled_codes(raw_codes.slice(96, 32, dim=1).load(codes_l),
-                                            _half2_bits(raw_scales.index(3).load(keys_l) * inverse)[:, None]))
-        pe_bufs.index(slot).store(raw_rope.load(rope_l))
-        mbarrier.arrive(raw_empty, count=1)
+        kv0.index(slot).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
+        kv1.index(slot).store(_scaled_codes(w1, _half2_bits(s1 * inverse)[:, None]))
+        kv2.index(slot).store(_scaled_codes(w2, _half2_bits(s2 * inverse)[:, None]))
+        kv3.index(slot).store(_scaled_codes(w3, _half2_bits(s3 * inverse)[:, None]))
+        pe_bufs.index(slot).store(pe)
         unit_bufs.index(slot).store(gl.zeros([H], gl.float32, unit_l) + unit)
         fence_async_shared()
         mbarrier.arrive(kv_ready.index(slot), count=1)
@@ -743,8 +747,8 @@ def dense_mla_kernel(
     stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_ot, stride_oh,
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr,
     H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
-    VALUES_WARP_REGS: gl.constexpr = DENSE_VALUES_REGS, CONVERT_WARP_REGS: gl.constexpr = DENSE_CONVERT_REGS,
-    LOAD_WARP_REGS: gl.constexpr = DENSE_LOAD_REGS,
+    VALUES_WARP_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_WARP_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
+    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
 ):
     """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
     ``SPLIT`` keys): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's positions up to its
@@ -777,8 +781,6 @@ def dense_mla_kernel(
     raw_codes = gl.allocate_shared_memory(gl.int32, [BN, L // 4], plain2)
     raw_scales = gl.allocate_shared_memory(gl.float32, [4, BN], plain1)
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], plain2)
-    raw_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    raw_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -790,8 +792,6 @@ def dense_mla_kernel(
         mbarrier.init(p_ready.index(b), count=1)
         mbarrier.init(p_free.index(b), count=1)
     mbarrier.init(done, count=1)
-    mbarrier.init(raw_full, count=1)
-    mbarrier.init(raw_empty, count=1)
     gl.warp_specialize([
         (_dense_scores_warps, (Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
                                stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf,
@@ -800,8 +800,7 @@ def dense_mla_kernel(
         (_dense_values_warps, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh,
                                p_bufs, f_bufs, l_buf, kv0, kv1, kv2, kv3, unit_bufs, kv_empty, p_ready, p_free, done,
                                GROUP, BN, L, H, DIRECT)),
-        (_dense_convert_warps, (raw_codes, raw_scales, raw_rope, raw_full, raw_empty, lo, hi, kv0, kv1, kv2, kv3,
-                                pe_bufs, unit_bufs, kv_ready, kv_empty, BN, H)),
-        (_dense_load_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, raw_codes,
-                             raw_scales, raw_rope, raw_full, raw_empty, SPLIT, BLOCK_SIZE, BN, L)),
-    ], [4, 4, 4], [VALUES_WARP_REGS, CONVERT_WARP_REGS, LOAD_WARP_REGS])
+        (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0, kv1,
+                                kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
+                                SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS, PREFETCH)),
+    ], [4, DEQUANT_WARPS], [VALUES_WARP_REGS, DEQUANT_WARP_REGS])
