@@ -27,8 +27,10 @@ what overlapping the work takes:
   ``gluon_ws_f16``: warp specialisation; see that module).
 
 Each kernel is timed from CUDA-graph replays (median) on the same inputs as the launcher's; its
-output is compared with the launcher's (max relative error). Writes
-``<out>/ds_mla_variants_<tag>.json`` and ``.md``.
+output is compared with the launcher's Triton kernel (max relative error), as is the package's
+Gluon kernel (``gluon_kernels.dense_mla_kernel``, what the launcher runs on Hopper) at 1024, 2048
+and 4096 keys per split. Writes ``<out>/ds_mla_variants_<tag>.json`` and ``.md``
+(``--package-only``: only the Triton and package kernels, into ``ds_mla_package_<tag>.*``).
 """
 
 from __future__ import annotations
@@ -528,7 +530,8 @@ def main() -> int:
     for rows, context in shapes:
         result["shapes"].append(measure(rows, context, args.reps, args.package_only))
         torch.cuda.empty_cache()
-    print(write(args.out, f"ds_mla_variants_{args.tag}", result, markdown))
+    name = "ds_mla_package" if args.package_only else "ds_mla_variants"
+    print(write(args.out, f"{name}_{args.tag}", result, markdown))
     return 0
 
 

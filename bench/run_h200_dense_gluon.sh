@@ -3,7 +3,7 @@
 # sparse, TESTS= to narrow them with -k), then dense fp8_ds_mla MLA timed side by side: the launcher's
 # Triton kernel and the package's Gluon kernel at 1024 / 2048 / 4096 keys per split (VARIANTS=1: the
 # bench's older restructurings too; PROBE=1: the Gluon kernel's partitions alone; KERNELS=1: the
-# kernel table). Writes the test log, ds_mla_variants_h200.* (and dense_mla_probe_h200.*,
+# kernel table). Writes the test log, ds_mla_package_h200.* (ds_mla_variants_h200.* with VARIANTS=1; dense_mla_probe_h200.*,
 # kernels_h200.*) to $OUT (default bench/results).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -19,7 +19,8 @@ echo "pytest exit ${PIPESTATUS[0]}" >> "$log"
 grep -E "error|Error|passed|failed|exit" "$log" | tail -30
 timeout ${BENCH_TIMEOUT:-240} python3 bench/ds_mla_variants.py --rows ${ROWS:-32,64} --context ${CONTEXT:-16384,32768} \
   --reps 10 --out "$OUT" --tag h200 $([ -z "${VARIANTS:-}" ] && echo --package-only) 2>&1 | tail -4
-[ -f "$OUT/ds_mla_variants_h200.md" ] && grep -E "^\||^#" "$OUT/ds_mla_variants_h200.md" | head -40
+md="$OUT/ds_mla_$([ -z "${VARIANTS:-}" ] && echo package || echo variants)_h200.md"
+[ -f "$md" ] && grep -E "^\||^#" "$md" | head -40
 if [ -n "${PROBE:-}" ]; then
   timeout 150 python3 bench/dense_mla_probe.py --rows 32 --context 32768 --splits 2048 --out "$OUT" --tag h200 2>&1 \
     | grep "^|" | tail -8
