@@ -42,6 +42,8 @@ from pcppass.kernels.attention.gluon_kernels import (
     _dense_offsets,
     _dense_scores_warps,
     _dense_values_warps,
+    dense_program,
+    dense_shared_memory,
 )
 
 
@@ -118,42 +120,10 @@ def dense_probe_kernel(
     DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
 ):
     """``dense_mla_kernel``'s program with the warp groups of ``PROBE`` (see the module docstring)."""
-    row = gl.program_id(0).to(gl.int64)
-    head0 = gl.program_id(1) * GROUP
-    split = gl.program_id(2)
-    lo = split * SPLIT
-    hi = gl.minimum(lo + SPLIT, gl.load(POSITIONS + row) + 1).to(gl.int32)
-    hi = gl.where(gl.load(IS_PADDING + row) == 0, hi, lo)
-    table_row = gl.load(TOKEN_TO_REQ + row).to(gl.int64) * stride_table
-    f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
-    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    q_smem = gl.allocate_shared_memory(gl.float16, [4, H, 128], f16_sl)
-    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], f16_sl)
-    kv0 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
-    kv1 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
-    kv2 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
-    kv3 = gl.allocate_shared_memory(gl.float16, [2, BN, 128], f16_sl)
-    pe_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], f16_sl)
-    p_bufs = gl.allocate_shared_memory(gl.float16, [2, BN, H], p_sl)
-    f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
-    unit_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
-    l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
-    bases = gl.allocate_shared_memory(gl.int32, [SPLIT // BN, BN], plain1)
-    raw_codes = gl.allocate_shared_memory(gl.int32, [BN, L // 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    raw_scales = gl.allocate_shared_memory(gl.float32, [4, BN], plain1)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(2):
-        mbarrier.init(kv_ready.index(b), count=1)
-        mbarrier.init(kv_empty.index(b), count=1)
-        mbarrier.init(p_ready.index(b), count=1)
-        mbarrier.init(p_free.index(b), count=1)
-    mbarrier.init(done, count=1)
+    row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
+                                                         GROUP)
+    (q_smem, qpe_smem, kv0, kv1, kv2, kv3, pe_bufs, p_bufs, f_bufs, unit_bufs, l_buf, bases, raw_codes, raw_scales,
+     raw_rope, kv_ready, kv_empty, p_ready, p_free, done) = dense_shared_memory(SPLIT, H, BN, L)
     if PROBE == "mma only":
         gl.warp_specialize([
             (_dense_scores_warps, (Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,

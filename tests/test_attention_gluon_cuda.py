@@ -35,6 +35,23 @@ def v32_cache(step, magnitudes: torch.Tensor) -> torch.Tensor:
     return encode_ds_mla_rows(kv[:, :LATENT], kv[:, LATENT:]).view(step.num_blocks, step.block_size, -1)
 
 
+def scaled_cache(step, small_keys_win: bool) -> torch.Tensor:
+    """fp8_ds_mla rows of keys whose magnitudes are 2^-11..2^0 at random (inside every 64-key
+    block), times 2^20 or 2^-20 by block (tiles 2^40 apart); with ``small_keys_win`` the large
+    keys are negative, so queries of positive values give them no weight."""
+    from pcppass.kernels.quant import encode_ds_mla_rows
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    n = step.num_blocks * 64
+    inside = torch.exp2(-11 * torch.rand(n, device="cuda", generator=g))
+    large = torch.arange(n, device="cuda") // 64 % 2 == 0
+    kv = torch.randn(n, LATENT + ROPE, device="cuda", generator=g)
+    if small_keys_win:
+        kv = torch.where(large[:, None], -kv.abs(), kv)
+    kv = kv * (inside * torch.where(large, 2.0**20, 2.0**-20))[:, None]
+    return encode_ds_mla_rows(kv[:, :LATENT], kv[:, LATENT:]).view(step.num_blocks, 64, -1)
+
+
 def float32_reference(step, q_lat, q_pe, cache, index) -> torch.Tensor:
     """``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the picks in float32, the cache's values
     decoded exactly (no bf16 rounding of the dequantised latents)."""
@@ -127,18 +144,8 @@ def test_sparse_mla_gluon_scales_across_and_inside_tiles(small_keys_win):
     apart). With queries and large keys of opposite signs (``small_keys_win``) the large keys get no
     weight and the output is the small keys' (the accumulators move between units 2^40 apart);
     otherwise the large keys carry it. Every head within 1e-2 of the float32 reference."""
-    from pcppass.kernels.quant import encode_ds_mla_rows
-
     step = make_step([(1, 4000 + 97 * i) for i in range(4)], 0, 64, 80, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(9)
-    n = step.num_blocks * 64
-    inside = torch.exp2(-11 * torch.rand(n, device="cuda", generator=g))
-    large = torch.arange(n, device="cuda") // 64 % 2 == 0
-    kv = torch.randn(n, LATENT + ROPE, device="cuda", generator=g)
-    if small_keys_win:
-        kv = torch.where(large[:, None], -kv.abs(), kv)
-    kv = kv * (inside * torch.where(large, 2.0**20, 2.0**-20))[:, None]
-    cache = encode_ds_mla_rows(kv[:, :LATENT], kv[:, LATENT:]).view(step.num_blocks, 64, -1)
+    cache = scaled_cache(step, small_keys_win)
     index = torch.arange(TOPK, device="cuda").expand(step.rows.positions.shape[0], TOPK).contiguous()
     q_lat, q_pe = queries(step.rows.positions.shape[0])
     if small_keys_win:
@@ -260,18 +267,8 @@ def test_dense_mla_gluon_scales_across_and_inside_tiles(small_keys_win):
     every tile), times 2^20 or 2^-20 by block (tiles 2^40 apart); with queries and large keys of
     opposite signs (``small_keys_win``) the output is the small keys'. Every head within 1e-2 of
     the float32 reference."""
-    from pcppass.kernels.quant import encode_ds_mla_rows
-
     step = make_step([(1, 4000 + 97 * i) for i in range(4)], 0, 64, 80, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(9)
-    n = step.num_blocks * 64
-    inside = torch.exp2(-11 * torch.rand(n, device="cuda", generator=g))
-    large = torch.arange(n, device="cuda") // 64 % 2 == 0
-    kv = torch.randn(n, LATENT + ROPE, device="cuda", generator=g)
-    if small_keys_win:
-        kv = torch.where(large[:, None], -kv.abs(), kv)
-    kv = kv * (inside * torch.where(large, 2.0**20, 2.0**-20))[:, None]
-    cache = encode_ds_mla_rows(kv[:, :LATENT], kv[:, LATENT:]).view(step.num_blocks, 64, -1)
+    cache = scaled_cache(step, small_keys_win)
     q_lat, q_pe = queries(step.rows.positions.shape[0], heads=16)
     if small_keys_win:
         q_lat, q_pe = q_lat.abs(), q_pe.abs()

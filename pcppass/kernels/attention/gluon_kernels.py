@@ -741,26 +741,20 @@ def _dense_values_warps(OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, 
 
 
 @gluon.jit
-def dense_mla_kernel(
-    Q_LAT, Q_PE, CODES, ROPE_VALUES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML, qk_scale,
-    num_splits, num_heads,
-    stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_ot, stride_oh,
-    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr,
-    H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
-    VALUES_WARP_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_WARP_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
-    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
-):
-    """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
-    ``SPLIT`` keys): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's positions up to its
-    own. ``CODES`` / ``ROPE_VALUES``: the cache's bytes as float32 words / bf16 values (strides in
-    bytes). See the module docstring."""
+def dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT: gl.constexpr, GROUP: gl.constexpr):
+    """A dense program's (row, first head, split, keys ``[lo, hi)``, block-table row offset); a
+    padding row's split is empty."""
     row = gl.program_id(0).to(gl.int64)
-    head0 = gl.program_id(1) * GROUP
     split = gl.program_id(2)
     lo = split * SPLIT
     hi = gl.minimum(lo + SPLIT, gl.load(POSITIONS + row) + 1).to(gl.int32)
     hi = gl.where(gl.load(IS_PADDING + row) == 0, hi, lo)
-    table_row = gl.load(TOKEN_TO_REQ + row).to(gl.int64) * stride_table
+    return row, gl.program_id(1) * GROUP, split, lo, hi, gl.load(TOKEN_TO_REQ + row).to(gl.int64) * stride_table
+
+
+@gluon.jit
+def dense_shared_memory(SPLIT: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, L: gl.constexpr):
+    """Every shared buffer and mbarrier of a dense program (216-229 KB), the mbarriers initialised."""
     f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -792,6 +786,28 @@ def dense_mla_kernel(
         mbarrier.init(p_ready.index(b), count=1)
         mbarrier.init(p_free.index(b), count=1)
     mbarrier.init(done, count=1)
+    return (q_smem, qpe_smem, kv0, kv1, kv2, kv3, pe_bufs, p_bufs, f_bufs, unit_bufs, l_buf, bases, raw_codes,
+            raw_scales, raw_rope, kv_ready, kv_empty, p_ready, p_free, done)
+
+
+@gluon.jit
+def dense_mla_kernel(
+    Q_LAT, Q_PE, CODES, ROPE_VALUES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML, qk_scale,
+    num_splits, num_heads,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_ot, stride_oh,
+    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr,
+    H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
+    VALUES_WARP_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_WARP_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
+    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
+):
+    """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
+    ``SPLIT`` keys): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's positions up to its
+    own. ``CODES`` / ``ROPE_VALUES``: the cache's bytes as float32 words / bf16 values (strides in
+    bytes). See the module docstring."""
+    row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
+                                                         GROUP)
+    (q_smem, qpe_smem, kv0, kv1, kv2, kv3, pe_bufs, p_bufs, f_bufs, unit_bufs, l_buf, bases, raw_codes, raw_scales,
+     raw_rope, kv_ready, kv_empty, p_ready, p_free, done) = dense_shared_memory(SPLIT, H, BN, L)
     gl.warp_specialize([
         (_dense_scores_warps, (Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
                                stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf,
