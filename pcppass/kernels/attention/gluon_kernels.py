@@ -35,7 +35,7 @@ program (DeepSeek-V3 at TP 8 has the same): every position up to the row's own, 
 program. Few heads make it a bytes kernel (656 bytes against 16 x 1088 MMA lanes per key), so the
 keys are the MMAs' M (64-key tiles, the heads zero-padded to N = 16) and the work is keeping two
 things apart: the copies in flight and the conversions. Program (row, block of 16 heads, split);
-three partitions, 216-229 KB of shared memory:
+three partitions, 212-224 KB of shared memory (1024 to 4096 keys per split):
 
 * **dequant warps** (8): the split's keys' cache offsets once into shared memory (the block table
   read once, so a tile's copies never wait for it); per tile the raw slot (codes, scales, RoPE
@@ -754,7 +754,7 @@ def dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT: gl.c
 
 @gluon.jit
 def dense_shared_memory(SPLIT: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, L: gl.constexpr):
-    """Every shared buffer and mbarrier of a dense program (216-229 KB), the mbarriers initialised."""
+    """Every shared buffer and mbarrier of a dense program (212-224 KB), the mbarriers initialised."""
     f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
