@@ -254,24 +254,38 @@ def _dequant_warps(INDEX, TABLES, CODES, ROPE_VALUES, table_row, row, lo, hi, st
 
 @gluon.jit
 def _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
-                   M: gl.constexpr, rows_l: gl.constexpr):
-    """The 64 heads' latent queries as float16 (four 128-dim chunks), each head scaled by the power
-    of two that puts its largest value in [2^14, 2^15), and their RoPE queries (bf16); returns the
-    factors that undo the scaling, per head."""
+                         GROUP: gl.constexpr, H: gl.constexpr, heads_l: gl.constexpr):
+    """The program's ``GROUP`` heads' latent queries as float16 (four 128-dim chunks, each head scaled
+    by the power of two that puts its largest value in [2^14, 2^15)) and RoPE queries (bf16), padded
+    with zero heads to ``H``; returns the factors that undo the scaling, per head, in ``heads_l``."""
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    qh = gl.arange(0, M, layout=gl.SliceLayout(1, q_l))
+    qh = gl.arange(0, H, layout=gl.SliceLayout(1, q_l))
     qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_l))
     rq = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
+    live = (qh < GROUP)[:, None]
     q_at = Q_LAT + row * stride_qt + (head0 + qh)[:, None] * stride_qh + qd[None, :]
-    amax = gl.max(gl.abs(gl.load(q_at).to(gl.float32)), axis=1)
+    amax = gl.max(gl.abs(gl.load(q_at, mask=live, other=0.0).to(gl.float32)), axis=1)
     for c in gl.static_range(1, 4):
-        amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_at + c * 128).to(gl.float32)), axis=1))
+        amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_at + c * 128, mask=live, other=0.0).to(gl.float32)), axis=1))
     up, down = pow2_scales(amax)
     for c in gl.static_range(4):
-        q_smem.index(c).store((gl.load(q_at + c * 128).to(gl.float32) * up[:, None]).to(gl.float16))
-    qpe_smem.store(gl.load(Q_PE + row * stride_pt + (head0 + qh)[:, None] * stride_ph + rq[None, :]))
+        q = gl.load(q_at + c * 128, mask=live, other=0.0).to(gl.float32)
+        q_smem.index(c).store((q * up[:, None]).to(gl.float16))
+    qpe_smem.store(gl.load(Q_PE + row * stride_pt + (head0 + qh)[:, None] * stride_ph + rq[None, :], mask=live,
+                           other=0.0))
     fence_async_shared()
-    return gl.convert_layout(down, rows_l)
+    return gl.convert_layout(down, heads_l)
+
+
+@gluon.jit
+def _hand_over(p, factor, p_bufs, f_bufs, p_ready, p_free, slot, phase):
+    """A tile's probabilities (float16) and the accumulators' factor into slot ``slot`` of the
+    values warps' double buffer, once they are done with the tile two before."""
+    mbarrier.wait(p_free.index(slot), phase ^ 1)
+    p_bufs.index(slot).store(p.to(gl.float16))
+    f_bufs.index(slot).store(factor)
+    fence_async_shared()
+    mbarrier.arrive(p_ready.index(slot), count=1)
 
 
 @gluon.jit
@@ -318,7 +332,7 @@ def _scores_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scal
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    down = _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, M,
+    down = _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, M, M,
                           rows_s)
     m_i = gl.full([M], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.full([M], 0.0, gl.float32, layout=rows_s)
@@ -348,11 +362,7 @@ def _scores_warps(Q_LAT, Q_PE, OUT, PART_O, PART_ML, row, head0, lo, hi, qk_scal
         m_i = m_new
         factor = alpha * (g / unit)
         g = unit
-        mbarrier.wait(p_free.index(slot), phase ^ 1)  # the values warps are done with tile i - 2's
-        p_bufs.index(slot).store(p.to(gl.float16))
-        f_bufs.index(slot).store(factor)
-        fence_async_shared()
-        mbarrier.arrive(p_ready.index(slot), count=1)
+        _hand_over(p, factor, p_bufs, f_bufs, p_ready, p_free, slot, phase)
         # rescaled before the first MMA is issued: a register written between asynchronous MMAs
         # makes ptxas serialise them
         f = gl.convert_layout(factor, rows_o)[:, None]
@@ -605,31 +615,6 @@ def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b
 
 
 @gluon.jit
-def _dense_query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
-                         GROUP: gl.constexpr, H: gl.constexpr, heads_l: gl.constexpr):
-    """The program's heads' latent queries as float16 (four 128-dim chunks, each head scaled by the
-    power of two that puts its largest value in [2^14, 2^15)) and RoPE queries (bf16), padded with
-    zero heads to ``H``; returns the factors that undo the scaling, per head."""
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    qh = gl.arange(0, H, layout=gl.SliceLayout(1, q_l))
-    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_l))
-    rq = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
-    live = (qh < GROUP)[:, None]
-    q_at = Q_LAT + row * stride_qt + (head0 + qh)[:, None] * stride_qh + qd[None, :]
-    amax = gl.max(gl.abs(gl.load(q_at, mask=live, other=0.0).to(gl.float32)), axis=1)
-    for c in gl.static_range(1, 4):
-        amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_at + c * 128, mask=live, other=0.0).to(gl.float32)), axis=1))
-    up, down = pow2_scales(amax)
-    for c in gl.static_range(4):
-        q = gl.load(q_at + c * 128, mask=live, other=0.0).to(gl.float32)
-        q_smem.index(c).store((q * up[:, None]).to(gl.float16))
-    qpe_smem.store(gl.load(Q_PE + row * stride_pt + (head0 + qh)[:, None] * stride_ph + rq[None, :], mask=live,
-                           other=0.0))
-    fence_async_shared()
-    return gl.convert_layout(down, heads_l)
-
-
-@gluon.jit
 def _dense_scores_warps(Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
                         stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf, kv0, kv1,
                         kv2, kv3, pe_bufs, unit_bufs, kv_ready, p_ready, p_free, done, GROUP: gl.constexpr, BN: gl.constexpr,
@@ -641,8 +626,8 @@ def _dense_scores_warps(Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
     keys_s: gl.constexpr = gl.SliceLayout(1, s_l)
     heads_s: gl.constexpr = gl.SliceLayout(0, s_l)
-    down = _dense_query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem,
-                                qpe_smem, GROUP, H, heads_s)
+    down = _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
+                          GROUP, H, heads_s)
     m_i = gl.full([H], float("-inf"), gl.float32, layout=heads_s)
     g = gl.full([H], 1.0, gl.float32, layout=heads_s)  # the unit the accumulators are in
     l_rows = gl.zeros([BN, H], gl.float32, layout=s_l)
@@ -669,11 +654,7 @@ def _dense_scores_warps(Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_
         m_i = m_new
         factor = alpha * (g / unit)
         g = unit
-        mbarrier.wait(p_free.index(slot), phase ^ 1)  # the values warps are done with tile i - 2's
-        p_bufs.index(slot).store(p.to(gl.float16))
-        f_bufs.index(slot).store(factor)
-        fence_async_shared()
-        mbarrier.arrive(p_ready.index(slot), count=1)
+        _hand_over(p, factor, p_bufs, f_bufs, p_ready, p_free, slot, phase)
     l_i = gl.sum(l_rows, axis=0)
     if DIRECT:
         l_buf.store(l_i)

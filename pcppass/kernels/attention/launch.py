@@ -484,7 +484,8 @@ def dense_mla_gluon(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
             rows.token_to_req, rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
             rows.tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_SIZE=flat.shape[1], SPLIT=split, GROUP=group, DIRECT=splits == 1, num_warps=4, **shape,
+            BLOCK_SIZE=flat.shape[1], SPLIT=split, GROUP=group, H=DENSE_GLUON_HEADS, DIRECT=splits == 1,
+            num_warps=4, **shape,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
     return out
