@@ -94,16 +94,14 @@ def _copies_only(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride
                  raw_rope, kv_ready, kv_empty, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr,
                  L: gl.constexpr, WARPS: gl.constexpr):
     """The dequant warps' offsets and copies, one tile in flight, no conversion."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE, BN, WARPS)
     n_tiles = gl.cdiv(hi - lo, BN)
     if n_tiles > 0:
-        _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+        _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, WARPS)
     for i in range(n_tiles):
         async_copy.wait_group(0)
         if i + 1 < n_tiles:
-            _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+            _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, WARPS)
         slot = i % 2
         mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
         mbarrier.arrive(kv_ready.index(slot), count=1)

@@ -178,16 +178,18 @@ def _copy_rows(CODES, ROPE_VALUES, bases, raw_codes, raw_scales, raw_rope, tile,
     """``cp.async`` of the cache rows of tile ``bases[tile]`` into raw slot ``raw``: codes
     ``[BN, L/4]`` words, each 128-dim chunk's scales ``raw_scales[4 raw + c]``, RoPE values
     ``[BN, 64]``; unused picks are filled with zeros."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])  # a key's codes per warp
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     base, used = _tile_offsets(bases, tile, gl.SliceLayout(1, codes_l))
     w = gl.arange(0, L // 4, layout=gl.SliceLayout(0, codes_l))
     async_copy.async_copy_global_to_shared(raw_codes.index(raw), CODES + (base // 4)[:, None] + w[None, :],
                                            mask=used[:, None])
-    for c in gl.static_range(4):
-        async_copy.async_copy_global_to_shared(raw_scales.index(4 * raw + c), CODES + base // 4 + L // 4 + c, mask=used)
-    # the offsets read again in the RoPE copy's layout (a layout conversion would cost two barriers)
+    # the offsets read again in the RoPE copy's layout (a layout conversion would cost two barriers),
+    # which the scales share: fewer keys per thread than a key per warp
     base_r, used_r = _tile_offsets(bases, tile, gl.SliceLayout(1, rope_l))
+    for c in gl.static_range(4):
+        async_copy.async_copy_global_to_shared(raw_scales.index(4 * raw + c), CODES + base_r // 4 + L // 4 + c,
+                                               mask=used_r)
     r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
     async_copy.async_copy_global_to_shared(raw_rope.index(raw),
                                            ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None] + r[None, :],
@@ -200,7 +202,7 @@ def _dequant_tile(raw_codes, s0, s1, s2, s3, inverse, kv_bufs, first):
     """A raw tile's four latent chunks (128 dims each), each key's codes times its chunk's scale
     over the tile's unit (``inverse`` = 1 / unit), as float16 into ``kv_bufs[first + c]``; every
     chunk's codes are read from shared memory before the first is converted."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [4, 1], [1, 0])  # 8 codes per thread
     w0 = raw_codes.slice(0, 32, dim=1).load(codes_l)
     w1 = raw_codes.slice(32, 32, dim=1).load(codes_l)
     w2 = raw_codes.slice(64, 32, dim=1).load(codes_l)
@@ -218,7 +220,7 @@ def _dequant_warps(INDEX, TABLES, CODES, ROPE_VALUES, table_row, row, lo, hi, st
                    M: gl.constexpr):
     """4 warps: the split's row offsets once, then per tile: copy two tiles ahead into the raw
     ring, convert this one into the free float16 slot with its RoPE values and its unit ``F``."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [4, 1], [1, 0])  # 8 codes per thread
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
@@ -521,16 +523,19 @@ def _dense_tile_offsets(bases, tile, layout: gl.constexpr):
 
 @gluon.jit
 def _dense_copy_tile(CODES, ROPE_VALUES, bases, tile, raw_codes, raw_scales, raw_rope, L: gl.constexpr,
-                     codes_l: gl.constexpr, rope_l: gl.constexpr):
+                     WARPS: gl.constexpr):
     """``cp.async`` of key tile ``tile`` (nothing past the split's last key) into the raw slot:
-    codes as 32-bit words, each 128-dim chunk's scales, RoPE values; each thread copies the codes
-    and RoPE values it later reads."""
+    codes as 32-bit words, each 128-dim chunk's scales, RoPE values. A warp copies one key's 512
+    code bytes per instruction (the same count as four keys' 128 bytes, fewer lines touched); the
+    scales go with the RoPE copy's offsets, two keys per thread rather than eight."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     base, live = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, codes_l))
     w = gl.arange(0, L // 4, layout=gl.SliceLayout(0, codes_l))
     async_copy.async_copy_global_to_shared(raw_codes, CODES + (base // 4)[:, None] + w[None, :], mask=live[:, None])
-    for c in gl.static_range(4):
-        async_copy.async_copy_global_to_shared(raw_scales.index(c), CODES + base // 4 + L // 4 + c, mask=live)
     base_r, live_r = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, rope_l))
+    for c in gl.static_range(4):
+        async_copy.async_copy_global_to_shared(raw_scales.index(c), CODES + base_r // 4 + L // 4 + c, mask=live_r)
     r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
     async_copy.async_copy_global_to_shared(raw_rope, ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None] + r[None, :],
                                            mask=live_r[:, None])
@@ -575,14 +580,16 @@ def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b
     read the raw slot into registers, start the next tile's ``cp.async`` into it, convert this tile
     to float16 in units of its largest scale (:func:`_tile_unit`, :func:`_scaled_codes`) into the
     free ring slot with its RoPE values and unit."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+    # 8 codes per thread: a quarter-warp's float16 stores (16 bytes each) fill the eight 16-byte
+    # bank groups of a 128-byte swizzled row (with 16 codes per thread they were two-way conflicts)
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [WARPS, 1], [1, 0])
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
     _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE, BN, WARPS)
     n_tiles = gl.cdiv(hi - lo, BN)
     if n_tiles > 0:
-        _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+        _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, WARPS)
     for t in gl.static_range(1, PREFETCH):
         if t < n_tiles:
             _dense_prefetch_tile(CODES, bases, t, BN, WARPS)
@@ -599,7 +606,7 @@ def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b
         pe = raw_rope.load(rope_l)
         unit, inverse = _dense_tile_unit(raw_scales, BN, WARPS)
         if i + 1 < n_tiles:
-            _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, codes_l, rope_l)
+            _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, WARPS)
         if i + PREFETCH < n_tiles:
             _dense_prefetch_tile(CODES, bases, i + PREFETCH, BN, WARPS)
         slot = i % 2
