@@ -12,7 +12,7 @@ pass the ring's mbarriers on, so its time is what those warp groups alone need:
 * ``scores only`` / ``values only``: one MMA warp group, the other a stand-in;
 * ``dequant only``: the dequant warps, a stand-in consumer freeing each slot once full: the loads
   and conversions;
-* ``copies only``: the dequant warps' offsets and ``cp.async`` copies, no conversion.
+* ``copies only``: the dequant warps' box rows and TMA copies, no conversion.
 
 Outputs of the probes are meaningless; the kernel's output is compared with the launcher's Triton
 kernel. Writes ``<out>/dense_mla_probe_<tag>.json`` and ``.md``.
@@ -26,7 +26,6 @@ import itertools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from pcppass.kernels.attention.gluon_kernels import (
@@ -37,11 +36,12 @@ from pcppass.kernels.attention.gluon_kernels import (
     DENSE_PREFETCH,
     DENSE_VALUES_REGS,
     LATENT,
-    _dense_copy_tile,
+    _dense_box_slots,
     _dense_dequant_warps,
-    _dense_offsets,
+    _dense_load_tile,
     _dense_scores_warps,
     _dense_values_warps,
+    dense_descriptors,
     dense_program,
     dense_shared_memory,
 )
@@ -90,18 +90,20 @@ def _values_standin(p_ready, p_free, kv_empty, lo, hi, BN: gl.constexpr):
 
 
 @gluon.jit
-def _copies_only(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, raw_codes, raw_scales,
-                 raw_rope, kv_ready, kv_empty, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr,
-                 L: gl.constexpr, WARPS: gl.constexpr):
-    """The dequant warps' offsets and copies, one tile in flight, no conversion."""
-    _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE, BN, WARPS)
+def _copies_only(CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, stride_s, slots, raw_codes,
+                 raw_scales, raw_rope, raw_bar, kv_ready, kv_empty, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                 BN: gl.constexpr, R: gl.constexpr, L: gl.constexpr, WARPS: gl.constexpr):
+    """The dequant warps' box rows and TMA copies, one tile in flight, no conversion."""
+    _dense_box_slots(TABLES, table_row, lo, hi, slots, SPLIT, BLOCK_SIZE, BN, R, WARPS)
     n_tiles = gl.cdiv(hi - lo, BN)
     if n_tiles > 0:
-        _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, WARPS)
+        _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, 0, raw_codes, raw_scales, raw_rope, raw_bar, BN, R,
+                         L, WARPS)
     for i in range(n_tiles):
-        async_copy.wait_group(0)
+        mbarrier.wait(raw_bar, i & 1)
         if i + 1 < n_tiles:
-            _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, WARPS)
+            _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, i + 1, raw_codes, raw_scales, raw_rope,
+                             raw_bar, BN, R, L, WARPS)
         slot = i % 2
         mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
         mbarrier.arrive(kv_ready.index(slot), count=1)
@@ -109,10 +111,10 @@ def _copies_only(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride
 
 @gluon.jit
 def dense_probe_kernel(
-    Q_LAT, Q_PE, CODES, ROPE_VALUES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML, qk_scale,
-    num_splits, num_heads,
-    stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_ot, stride_oh,
-    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, PROBE: gl.constexpr,
+    Q_LAT, Q_PE, CODES, codes_desc, scales_desc, rope_desc, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O,
+    PART_ML, qk_scale, num_splits, num_heads,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_s, stride_table, stride_ot, stride_oh,
+    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, PROBE: gl.constexpr, R: gl.constexpr,
     H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
     VALUES_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
     DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
@@ -120,8 +122,8 @@ def dense_probe_kernel(
     """``dense_mla_kernel``'s program with the warp groups of ``PROBE`` (see the module docstring)."""
     row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
                                                          GROUP)
-    (q_smem, qpe_smem, kv0, kv1, kv2, kv3, pe_bufs, p_bufs, f_bufs, unit_bufs, l_buf, bases, raw_codes, raw_scales,
-     raw_rope, kv_ready, kv_empty, p_ready, p_free, done) = dense_shared_memory(SPLIT, H, BN, L)
+    (q_smem, qpe_smem, kv0, kv1, kv2, kv3, pe_bufs, p_bufs, f_bufs, unit_bufs, l_buf, slots, raw_codes, raw_scales,
+     raw_rope, raw_bar, kv_ready, kv_empty, p_ready, p_free, done) = dense_shared_memory(SPLIT, H, BN, R)
     if PROBE == "mma only":
         gl.warp_specialize([
             (_dense_scores_warps, (Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
@@ -151,15 +153,17 @@ def dense_probe_kernel(
     elif PROBE == "dequant only":
         gl.warp_specialize([
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
-            (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0,
-                                    kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready,
-                                    kv_empty, SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS, PREFETCH)),
+            (_dense_dequant_warps, (CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, stride_s,
+                                    slots, kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope,
+                                    raw_bar, kv_ready, kv_empty, SPLIT, BLOCK_SIZE, BN, R, L, H, DEQUANT_WARPS,
+                                    PREFETCH)),
         ], [DEQUANT_WARPS], [DEQUANT_REGS])
     else:  # "copies only"
         gl.warp_specialize([
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
-            (_copies_only, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, raw_codes,
-                            raw_scales, raw_rope, kv_ready, kv_empty, SPLIT, BLOCK_SIZE, BN, L, DEQUANT_WARPS)),
+            (_copies_only, (CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, stride_s, slots,
+                            raw_codes, raw_scales, raw_rope, raw_bar, kv_ready, kv_empty, SPLIT, BLOCK_SIZE, BN, R, L,
+                            DEQUANT_WARPS)),
         ], [DEQUANT_WARPS], [DEQUANT_REGS])
 
 
@@ -176,12 +180,13 @@ def probe(name: str, q_lat, q_pe, cache, rows, scale: float, split: int):
     flat = cache.view(torch.uint8).reshape(cache.shape[0], cache.shape[1], -1)
     splits = -(-rows.tables.shape[1] * cache.shape[1] // split)
     out, part_o, part_ml = launch._outputs(t, heads, lat, max(splits, 2), q_lat.dtype, q_lat.device)
+    box = min(flat.shape[1], DENSE_BN)
     dense_probe_kernel[(t, 1, splits)](
-        q_lat, q_pe, flat.view(torch.float32), flat.view(torch.bfloat16), rows.tables, rows.positions,
+        q_lat, q_pe, flat.view(torch.float32), *dense_descriptors(flat, box), rows.tables, rows.positions,
         rows.token_to_req, rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(1),
         rows.tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=flat.shape[1], SPLIT=split, GROUP=heads, PROBE=name, num_warps=4)
+        BLOCK_SIZE=flat.shape[1], SPLIT=split, GROUP=heads, PROBE=name, R=box, num_warps=4)
     return out
 
 

@@ -31,6 +31,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import KernelInterface
 
 from pcppass.kernels.attention import launch
 
@@ -63,13 +64,17 @@ class Recorder:
 
 class _Intercept:
     """Stands in for :func:`launch.kernels`' module: every kernel a :class:`Recorder`, only
-    ``name``'s launch recorded (the others, e.g. the split combine, do not run)."""
+    ``name``'s launch recorded (the others, e.g. the split combine, do not run); its other names
+    (constants, host helpers) as they are."""
 
     def __init__(self, module, name: str, found: list[Launch]):
         self._module, self._name, self._found = module, name, found
 
-    def __getattr__(self, attr: str) -> Recorder:
-        return Recorder(getattr(self._module, attr), self._found, attr == self._name)
+    def __getattr__(self, attr: str):
+        value = getattr(self._module, attr)
+        if not isinstance(value, KernelInterface):
+            return value
+        return Recorder(value, self._found, attr == self._name)
 
 
 def intercept(run: Callable[[], object], kernel: str) -> Launch:

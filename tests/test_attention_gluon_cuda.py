@@ -246,6 +246,35 @@ def test_dense_mla_gluon_matches_float32_reference(heads):
     assert not gluon[~step.live].any() and gluon.isfinite().all()
 
 
+def test_dense_mla_gluon_blocks_of_16_padded_rows_and_poisoned_dead_keys():
+    """Blocks of 16 keys (four TMA boxes per 64-key tile), cache rows 768 bytes apart, and in the
+    kernel's copy every row no query may see filled with 0xFF (NaN codes, scales and RoPE values):
+    the very bytes of the clean, unpadded cache's output (the dead keys are copied, then masked),
+    within 1e-2 of the float32 reference."""
+    from pcppass.kernels.attention import launch
+
+    step = make_step([(1, 3000 + 301 * i) for i in range(5)] + [(1, 700), (1, 0)], 1, 16, 270, device="cuda")
+    clean = v32_cache(step, torch.ones(step.num_blocks * 16, device="cuda"))
+    poisoned = torch.full((step.num_blocks, 16, 768), 0xFF, dtype=torch.uint8, device="cuda")[..., :656]
+    visible = torch.zeros(step.num_blocks * 16, dtype=torch.bool, device="cuda")
+    r = step.rows
+    for t in range(r.positions.shape[0]):
+        if not r.is_padding[t]:
+            j = torch.arange(int(r.positions[t]) + 1, device="cuda")
+            visible[r.tables[r.token_to_req[t]][j // 16] * 16 + j % 16] = True
+    poisoned.flatten(0, 1)[visible] = clean.view(torch.uint8).flatten(0, 1)[visible]
+    assert not visible.all()
+    q_lat, q_pe = queries(r.positions.shape[0], heads=16)
+    schedule = launch.tile_schedule(r.query_start_loc, q_lat.shape[0], 1)
+    assert launch.gluon_dense_fits(q_lat, q_pe, poisoned, True, schedule)
+    got = launch.mla_attention(q_lat, q_pe, poisoned, r, SCALE, True)
+    want = launch.mla_attention(q_lat, q_pe, clean, r, SCALE, True)
+    assert torch.equal(got, want)
+    err = float(head_errors(got, dense_reference(step, q_lat, q_pe, clean), step.live).max())
+    print(f"dense, blocks of 16, padded and poisoned rows: largest per-head error {err:.1e}")
+    assert err < 1e-2
+
+
 def test_dense_mla_gluon_one_split_writes_the_output_directly():
     """Block tables of 16 blocks (1024 keys, one split): the kernel normalises and writes the
     output itself; a padding row stays zeros."""

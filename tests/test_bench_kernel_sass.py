@@ -84,9 +84,11 @@ def test_gluon_dense_mla_kernel_fits_an_sm_and_splits_its_warps():
     compiles for sm_90: no spills, within an SM's 227 KB of shared memory, its warp groups with
     their own register counts (values 112, dequant 152, scores the rest), the scores' MMAs with the
     64-key tile as M and the 16 heads as N (float16 latent, bf16 RoPE), the codes converted to
-    float16 and scaled two at a time, the raw slot filled by cp.async."""
+    float16 and scaled two at a time, the raw slot filled by TMA copies (2-D boxes) and no
+    ``cp.async``."""
     stack, shared, regs, sass = gluon_summary("kernel_sass.dense_mla_gluon_case()")
     assert stack == 0 and shared <= 227 * 1024, (stack, shared)
     assert {112, 152} <= set(regs), regs
-    for op in ("HGMMA.64x16x16.F32 ", "HGMMA.64x16x16.F32.BF16", "HMUL2", "F2FP.F16.E4M3", "LDGSTS"):
+    for op in ("HGMMA.64x16x16.F32 ", "HGMMA.64x16x16.F32.BF16", "HMUL2", "F2FP.F16.E4M3", "UTMALDG.2D"):
         assert op in sass, op
+    assert "LDGSTS" not in sass

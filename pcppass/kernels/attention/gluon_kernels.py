@@ -58,10 +58,12 @@ most 1, rounding at 2^-11); accumulation is float32. A query value below 2^-28 o
 largest rounds (as fp8 GQA's float16 dots).
 """
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 #: keys per tile, heads per program, latent dims and their quantisation tile, RoPE dims
 SPARSE_BN = 32
@@ -494,63 +496,65 @@ DENSE_DEQUANT_REGS = 152
 DENSE_DEQUANT_WARPS = 8
 #: key tiles ahead whose rows the dequant warps prefetch into L2 (1: none)
 DENSE_PREFETCH = 3
+#: the raw slot's shared layouts, which the TMA descriptors of :func:`dense_descriptors` share:
+#: the codes' 128-dim chunks in 128-byte swizzled rows (conflict-free reads), the scales as rows of
+#: 16 bytes, the RoPE values as the float16 ring's
+RAW_CODES_SL = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+RAW_SCALES_SL = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+RAW_ROPE_SL = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 
 
 @gluon.jit
-def _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT: gl.constexpr,
-                   BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr):
-    """The split's keys as cache offsets in 16-byte units into ``bases [SPLIT // BN, BN]`` (int32:
-    the launcher checks the cache's bytes fit; -1 past ``hi``), once, so a tile's copies never wait
-    for its block-table loads."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
-    n = (gl.arange(0, SPLIT // BN, layout=gl.SliceLayout(1, layout))[:, None] * BN
-         + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))[None, :])
-    j = lo + n
+def _dense_box_slots(TABLES, table_row, lo, hi, slots, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                     BN: gl.constexpr, R: gl.constexpr, WARPS: gl.constexpr):
+    """The split's boxes (``R`` consecutive keys of one block) as the cache row of their first key
+    into ``slots [SPLIT // BN, BN // R]``, once, so a tile's copies never wait for its block-table
+    loads; a box past ``hi`` reads row 0 (its keys are masked)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WARPS, 1], [1, 0])
+    j = lo + (gl.arange(0, SPLIT // BN, layout=gl.SliceLayout(1, layout))[:, None] * BN
+              + gl.arange(0, BN // R, layout=gl.SliceLayout(0, layout))[None, :] * R)
     live = j < hi
-    block = gl.load(TABLES + table_row + j // BLOCK_SIZE, mask=live, other=0).to(gl.int64)
-    offset = (block * stride_b + (j % BLOCK_SIZE).to(gl.int64) * stride_s) // 16
-    bases._reinterpret(gl.int32, [SPLIT // BN, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(
-        gl.where(live, offset, -1).to(gl.int32))
+    block = gl.load(TABLES + table_row + j // BLOCK_SIZE, mask=live, other=0)
+    slots._reinterpret(gl.int32, [SPLIT // BN, BN // R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(
+        gl.where(live, block * BLOCK_SIZE + j % BLOCK_SIZE, 0).to(gl.int32))
 
 
 @gluon.jit
-def _dense_tile_offsets(bases, tile, layout: gl.constexpr):
-    """Tile ``tile``'s cache byte offsets (dead keys at 0: 16-byte copies) and which keys are live."""
-    offset = bases.index(tile).load(layout)
-    live = offset >= 0
-    return gl.multiple_of(gl.where(live, offset, 0).to(gl.int64) * 16, [16]), live
+def _dense_tile_slots(slots, tile, WARPS: gl.constexpr):
+    """Tile ``tile``'s box rows ``[BN // R]`` and their positions."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    row = slots.index(tile).load(layout)
+    return row, gl.arange(0, row.shape[0], layout=layout)
 
 
 @gluon.jit
-def _dense_copy_tile(CODES, ROPE_VALUES, bases, tile, raw_codes, raw_scales, raw_rope, L: gl.constexpr,
-                     WARPS: gl.constexpr):
-    """``cp.async`` of key tile ``tile`` (nothing past the split's last key) into the raw slot:
-    codes as 32-bit words, each 128-dim chunk's scales, RoPE values. A warp copies one key's 512
-    code bytes per instruction (the same count as four keys' 128 bytes, fewer lines touched); the
-    scales go with the RoPE copy's offsets, two keys per thread rather than eight."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    base, live = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, codes_l))
-    w = gl.arange(0, L // 4, layout=gl.SliceLayout(0, codes_l))
-    async_copy.async_copy_global_to_shared(raw_codes, CODES + (base // 4)[:, None] + w[None, :], mask=live[:, None])
-    base_r, live_r = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, rope_l))
-    for c in gl.static_range(4):
-        async_copy.async_copy_global_to_shared(raw_scales.index(c), CODES + base_r // 4 + L // 4 + c, mask=live_r)
-    r = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
-    async_copy.async_copy_global_to_shared(raw_rope, ROPE_VALUES + (base_r // 2 + (L + 16) // 2)[:, None] + r[None, :],
-                                           mask=live_r[:, None])
-    async_copy.commit_group()
+def _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, tile, raw_codes, raw_scales, raw_rope, raw_bar,
+                     BN: gl.constexpr, R: gl.constexpr, L: gl.constexpr, WARPS: gl.constexpr):
+    """TMA copies of key tile ``tile`` into the raw slot, per box of ``R`` keys: its codes (the four
+    128-dim chunks), scales and RoPE values, completing ``raw_bar``. The copy engine writes a row
+    into shared memory at its offset within 128 bytes in the cache, which ``cp.async`` from 656-byte
+    rows into 512-byte rows could not (two wavefronts per line instead of one)."""
+    mbarrier.expect(raw_bar, BN * (L + 16 + 128))
+    row, box = _dense_tile_slots(slots, tile, WARPS)
+    for j in gl.static_range(BN // R):
+        first = gl.max(gl.where(box == j, row, 0), axis=0)
+        for c in gl.static_range(4):
+            tma.async_copy_global_to_shared(codes_desc, [first, 32 * c], raw_bar, raw_codes.index(c).slice(j * R, R))
+        tma.async_copy_global_to_shared(scales_desc, [first, L // 4], raw_bar, raw_scales.slice(j * R, R))
+        tma.async_copy_global_to_shared(rope_desc, [first, (L + 16) // 2], raw_bar, raw_rope.slice(j * R, R))
 
 
 @gluon.jit
-def _dense_prefetch_tile(CODES, bases, tile, BN: gl.constexpr, WARPS: gl.constexpr):
-    """Key tile ``tile``'s rows prefetched into L2 (``prefetch.global.L2`` of the six 128-byte lines
-    a 656-byte row touches: nothing waits for it, no register or shared memory holds it), so its
-    ``cp.async`` later finds them there."""
-    lines_l: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [WARPS, 1], [1, 0])
-    base, live = _dense_tile_offsets(bases, tile, gl.SliceLayout(1, lines_l))
-    line = gl.arange(0, 8, layout=gl.SliceLayout(0, lines_l))
-    at = CODES + (base // 4)[:, None] + (line * 32)[None, :]
+def _dense_prefetch_tile(CODES, slots, tile, stride_s, BN: gl.constexpr, R: gl.constexpr, WARPS: gl.constexpr):
+    """Key tile ``tile``'s rows prefetched into L2 (``prefetch.global.L2`` of an address every 128
+    bytes of each box and of its last word: every line the box spans; nothing waits for it, no
+    register or shared memory holds it), so its copies later find them there."""
+    lines_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+    row = slots.index(tile).load(gl.SliceLayout(1, lines_l))
+    line = gl.arange(0, 8 * R, layout=gl.SliceLayout(0, lines_l))
+    span = R * stride_s  # bytes of a box
+    at = CODES + (row.to(gl.int64) * stride_s // 4)[:, None] + gl.minimum(line * 32, span // 4 - 1)[None, :]
+    live = (line * 128 < span + 128)[None, :] & (row >= 0)[:, None]
     gl.inline_asm_elementwise(
         """{
         .reg .pred p;
@@ -558,63 +562,77 @@ def _dense_prefetch_tile(CODES, bases, tile, BN: gl.constexpr, WARPS: gl.constex
         @p prefetch.global.L2 [$1];
         mov.u32 $0, 0;
         }""",
-        "=r,l,r", [at, (live[:, None] & (line < 6)[None, :]).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+        "=r,l,r", [at, live.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _dense_tile_unit(raw_scales, BN: gl.constexpr, WARPS: gl.constexpr):
-    """``(F, 1/F)`` (:func:`_tile_unit`) of the raw slot's tile, each warp reading every scale of
-    the tile (a layout repeated across the warps: the reduction stays inside each warp)."""
-    every_warp: gl.constexpr = gl.BlockedLayout([BN // 32], [32], [WARPS], [0])
-    largest = gl.maximum(gl.maximum(raw_scales.index(0).load(every_warp), raw_scales.index(1).load(every_warp)),
-                         gl.maximum(raw_scales.index(2).load(every_warp), raw_scales.index(3).load(every_warp)))
-    return _tile_unit(gl.max(largest, axis=0))
+def _dense_tile_unit(raw_scales, first_key, hi, BN: gl.constexpr, WARPS: gl.constexpr):
+    """``(F, 1/F)`` (:func:`_tile_unit`) of the raw slot's tile (keys from ``first_key``, those
+    from ``hi`` on not counted), each warp reading every scale of the tile (a layout repeated across
+    the warps: the reduction stays inside each warp)."""
+    every_warp: gl.constexpr = gl.BlockedLayout([BN // 32, 4], [32, 1], [WARPS, 1], [1, 0])
+    keys = first_key + gl.arange(0, BN, layout=gl.SliceLayout(1, every_warp))
+    scales = gl.where((keys < hi)[:, None], raw_scales.load(every_warp), 0.0)
+    return _tile_unit(gl.max(gl.max(scales, axis=1), axis=0))
 
 
 @gluon.jit
-def _dense_dequant_warps(CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0, kv1, kv2, kv3,
-                         pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
-                         SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr,
-                         H: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr):
-    """``WARPS`` warps: the split's cache offsets once (:func:`_dense_offsets`), then per key tile:
-    read the raw slot into registers, start the next tile's ``cp.async`` into it, convert this tile
+def _scale_column(scales, c: gl.constexpr, layout: gl.constexpr):
+    """Column ``c`` of a tile's scales ``[BN, 4]`` (each thread holding its keys' four) in ``layout``."""
+    chunk = gl.arange(0, 4, layout=gl.SliceLayout(0, scales.type.layout))
+    return gl.convert_layout(gl.sum(gl.where((chunk == c)[None, :], scales, 0.0), axis=1), layout)
+
+
+@gluon.jit
+def _dense_dequant_warps(CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, stride_s, slots, kv0,
+                         kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, raw_bar, kv_ready,
+                         kv_empty, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, R: gl.constexpr,
+                         L: gl.constexpr, H: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr):
+    """``WARPS`` warps: the split's box rows once (:func:`_dense_box_slots`), then per key tile:
+    read the raw slot into registers, start the next tile's TMA copies into it, convert this tile
     to float16 in units of its largest scale (:func:`_tile_unit`, :func:`_scaled_codes`) into the
-    free ring slot with its RoPE values and unit."""
+    free ring slot with its RoPE values and unit. Keys from ``hi`` on (copied all the same) become
+    zeros."""
     # 8 codes per thread: a quarter-warp's float16 stores (16 bytes each) fill the eight 16-byte
     # bank groups of a 128-byte swizzled row (with 16 codes per thread they were two-way conflicts)
     codes_l: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [WARPS, 1], [1, 0])
+    scales_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [WARPS, 1], [1, 0])
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
-    _dense_offsets(TABLES, table_row, lo, hi, stride_b, stride_s, bases, SPLIT, BLOCK_SIZE, BN, WARPS)
+    _dense_box_slots(TABLES, table_row, lo, hi, slots, SPLIT, BLOCK_SIZE, BN, R, WARPS)
     n_tiles = gl.cdiv(hi - lo, BN)
     if n_tiles > 0:
-        _dense_copy_tile(CODES, ROPE_VALUES, bases, 0, raw_codes, raw_scales, raw_rope, L, WARPS)
+        _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, 0, raw_codes, raw_scales, raw_rope, raw_bar, BN, R,
+                         L, WARPS)
     for t in gl.static_range(1, PREFETCH):
         if t < n_tiles:
-            _dense_prefetch_tile(CODES, bases, t, BN, WARPS)
+            _dense_prefetch_tile(CODES, slots, t, stride_s, BN, R, WARPS)
     for i in range(n_tiles):
-        async_copy.wait_group(0)
-        w0 = raw_codes.slice(0, 32, dim=1).load(codes_l)
-        w1 = raw_codes.slice(32, 32, dim=1).load(codes_l)
-        w2 = raw_codes.slice(64, 32, dim=1).load(codes_l)
-        w3 = raw_codes.slice(96, 32, dim=1).load(codes_l)
-        s0 = raw_scales.index(0).load(keys_l)
-        s1 = raw_scales.index(1).load(keys_l)
-        s2 = raw_scales.index(2).load(keys_l)
-        s3 = raw_scales.index(3).load(keys_l)
+        mbarrier.wait(raw_bar, i & 1)
+        w0 = raw_codes.index(0).load(codes_l)
+        w1 = raw_codes.index(1).load(codes_l)
+        w2 = raw_codes.index(2).load(codes_l)
+        w3 = raw_codes.index(3).load(codes_l)
+        scales = raw_scales.load(scales_l)
         pe = raw_rope.load(rope_l)
-        unit, inverse = _dense_tile_unit(raw_scales, BN, WARPS)
+        unit, inverse = _dense_tile_unit(raw_scales, lo + i * BN, hi, BN, WARPS)
         if i + 1 < n_tiles:
-            _dense_copy_tile(CODES, ROPE_VALUES, bases, i + 1, raw_codes, raw_scales, raw_rope, L, WARPS)
+            _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, i + 1, raw_codes, raw_scales, raw_rope,
+                             raw_bar, BN, R, L, WARPS)
         if i + PREFETCH < n_tiles:
-            _dense_prefetch_tile(CODES, bases, i + PREFETCH, BN, WARPS)
+            _dense_prefetch_tile(CODES, slots, i + PREFETCH, stride_s, BN, R, WARPS)
+        live = lo + i * BN + gl.arange(0, BN, layout=keys_l) < hi
+        s0 = gl.where(live, _scale_column(scales, 0, keys_l), 0.0) * inverse
+        s1 = gl.where(live, _scale_column(scales, 1, keys_l), 0.0) * inverse
+        s2 = gl.where(live, _scale_column(scales, 2, keys_l), 0.0) * inverse
+        s3 = gl.where(live, _scale_column(scales, 3, keys_l), 0.0) * inverse
         slot = i % 2
         mbarrier.wait(kv_empty.index(slot), ((i // 2) & 1) ^ 1)
-        kv0.index(slot).store(_scaled_codes(w0, _half2_bits(s0 * inverse)[:, None]))
-        kv1.index(slot).store(_scaled_codes(w1, _half2_bits(s1 * inverse)[:, None]))
-        kv2.index(slot).store(_scaled_codes(w2, _half2_bits(s2 * inverse)[:, None]))
-        kv3.index(slot).store(_scaled_codes(w3, _half2_bits(s3 * inverse)[:, None]))
+        kv0.index(slot).store(_scaled_codes(gl.where(live[:, None], w0, 0), _half2_bits(s0)[:, None]))
+        kv1.index(slot).store(_scaled_codes(gl.where(live[:, None], w1, 0), _half2_bits(s1)[:, None]))
+        kv2.index(slot).store(_scaled_codes(gl.where(live[:, None], w2, 0), _half2_bits(s2)[:, None]))
+        kv3.index(slot).store(_scaled_codes(gl.where(live[:, None], w3, 0), _half2_bits(s3)[:, None]))
         pe_bufs.index(slot).store(pe)
         unit_bufs.index(slot).store(gl.zeros([H], gl.float32, unit_l) + unit)
         fence_async_shared()
@@ -741,8 +759,8 @@ def dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT: gl.c
 
 
 @gluon.jit
-def dense_shared_memory(SPLIT: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, L: gl.constexpr):
-    """Every shared buffer and mbarrier of a dense program (212-224 KB), the mbarriers initialised."""
+def dense_shared_memory(SPLIT: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, R: gl.constexpr):
+    """Every shared buffer and mbarrier of a dense program (about 206 KB), the mbarriers initialised."""
     f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -759,43 +777,46 @@ def dense_shared_memory(SPLIT: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, 
     f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
     unit_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
     l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
-    bases = gl.allocate_shared_memory(gl.int32, [SPLIT // BN, BN], plain1)
-    raw_codes = gl.allocate_shared_memory(gl.int32, [BN, L // 4], plain2)
-    raw_scales = gl.allocate_shared_memory(gl.float32, [4, BN], plain1)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], plain2)
+    slots = gl.allocate_shared_memory(gl.int32, [SPLIT // BN, BN // R], plain1)
+    raw_codes = gl.allocate_shared_memory(gl.int32, [4, BN, 32], RAW_CODES_SL)
+    raw_scales = gl.allocate_shared_memory(gl.float32, [BN, 4], RAW_SCALES_SL)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], RAW_ROPE_SL)
+    raw_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(raw_bar, count=1)
     for b in gl.static_range(2):
         mbarrier.init(kv_ready.index(b), count=1)
         mbarrier.init(kv_empty.index(b), count=1)
         mbarrier.init(p_ready.index(b), count=1)
         mbarrier.init(p_free.index(b), count=1)
     mbarrier.init(done, count=1)
-    return (q_smem, qpe_smem, kv0, kv1, kv2, kv3, pe_bufs, p_bufs, f_bufs, unit_bufs, l_buf, bases, raw_codes,
-            raw_scales, raw_rope, kv_ready, kv_empty, p_ready, p_free, done)
+    return (q_smem, qpe_smem, kv0, kv1, kv2, kv3, pe_bufs, p_bufs, f_bufs, unit_bufs, l_buf, slots, raw_codes,
+            raw_scales, raw_rope, raw_bar, kv_ready, kv_empty, p_ready, p_free, done)
 
 
 @gluon.jit
 def dense_mla_kernel(
-    Q_LAT, Q_PE, CODES, ROPE_VALUES, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML, qk_scale,
-    num_splits, num_heads,
-    stride_qt, stride_qh, stride_pt, stride_ph, stride_b, stride_s, stride_table, stride_ot, stride_oh,
-    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr,
+    Q_LAT, Q_PE, CODES, codes_desc, scales_desc, rope_desc, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O,
+    PART_ML, qk_scale, num_splits, num_heads,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_s, stride_table, stride_ot, stride_oh,
+    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr, R: gl.constexpr,
     H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
     VALUES_WARP_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_WARP_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
     DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
 ):
     """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
     ``SPLIT`` keys): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's positions up to its
-    own. ``CODES`` / ``ROPE_VALUES``: the cache's bytes as float32 words / bf16 values (strides in
-    bytes). See the module docstring."""
+    own. ``CODES``: the cache's bytes as float32 words (``stride_s`` bytes per row, rows contiguous
+    across blocks); the descriptors (:func:`dense_descriptors`) copy boxes of ``R`` rows. See the
+    module docstring."""
     row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
                                                          GROUP)
-    (q_smem, qpe_smem, kv0, kv1, kv2, kv3, pe_bufs, p_bufs, f_bufs, unit_bufs, l_buf, bases, raw_codes, raw_scales,
-     raw_rope, kv_ready, kv_empty, p_ready, p_free, done) = dense_shared_memory(SPLIT, H, BN, L)
+    (q_smem, qpe_smem, kv0, kv1, kv2, kv3, pe_bufs, p_bufs, f_bufs, unit_bufs, l_buf, slots, raw_codes, raw_scales,
+     raw_rope, raw_bar, kv_ready, kv_empty, p_ready, p_free, done) = dense_shared_memory(SPLIT, H, BN, R)
     gl.warp_specialize([
         (_dense_scores_warps, (Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_heads, num_splits, split,
                                stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem, p_bufs, f_bufs, l_buf,
@@ -804,7 +825,21 @@ def dense_mla_kernel(
         (_dense_values_warps, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh,
                                p_bufs, f_bufs, l_buf, kv0, kv1, kv2, kv3, unit_bufs, kv_empty, p_ready, p_free, done,
                                GROUP, BN, L, H, DIRECT)),
-        (_dense_dequant_warps, (CODES, ROPE_VALUES, TABLES, table_row, lo, hi, stride_b, stride_s, bases, kv0, kv1,
-                                kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, kv_ready, kv_empty,
-                                SPLIT, BLOCK_SIZE, BN, L, H, DEQUANT_WARPS, PREFETCH)),
+        (_dense_dequant_warps, (CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, stride_s, slots,
+                                kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, raw_bar,
+                                kv_ready, kv_empty, SPLIT, BLOCK_SIZE, BN, R, L, H, DEQUANT_WARPS, PREFETCH)),
     ], [4, DEQUANT_WARPS], [VALUES_WARP_REGS, DEQUANT_WARP_REGS])
+
+
+def dense_descriptors(cache, box: int) -> tuple:
+    """The TMA descriptors of :func:`dense_mla_kernel` over fp8_ds_mla rows ``cache [nb, bs, 656]``
+    (bytes; blocks contiguous): the rows as ``[nb * bs, 164]`` words, boxes of ``box`` rows of the
+    codes' 128-dim chunks, of the scales and of the RoPE values."""
+    nb, bs, _ = cache.shape
+    pitch = cache.stride(1)
+    words = cache.view(torch.int32).as_strided((nb * bs, LATENT // 4 + 4 + ROPE // 2), (pitch // 4, 1))
+    scales = cache.view(torch.float32).as_strided((nb * bs, LATENT // 4 + 4 + ROPE // 2), (pitch // 4, 1))
+    rope = cache.view(torch.bfloat16).as_strided((nb * bs, LATENT // 2 + 8 + ROPE), (pitch // 2, 1))
+    return (TensorDescriptor.from_tensor(words, [box, 32], RAW_CODES_SL.value),
+            TensorDescriptor.from_tensor(scales, [box, 4], RAW_SCALES_SL.value),
+            TensorDescriptor.from_tensor(rope, [box, ROPE], RAW_ROPE_SL.value))

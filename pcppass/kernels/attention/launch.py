@@ -208,12 +208,14 @@ def gluon_dense_fits(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     """Whether dense MLA runs :func:`pcppass.kernels.attention.gluon_kernels.dense_mla_kernel`: as
     :func:`gluon_sparse_fits` (sm_90, compiled Triton, fp8_ds_mla rows of DeepSeek's widths at
     16-byte multiples, bf16 queries), for decode rows (one program per row) of at most
-    :data:`DENSE_GLUON_HEADS` heads or blocks of them, over a cache of less than 32 GiB (the kernel
-    keeps its keys' offsets in 16-byte units as int32)."""
+    :data:`DENSE_GLUON_HEADS` heads or blocks of them, over a cache whose blocks are contiguous, of a
+    power-of-two size, under 2^31 rows (its TMA copies address the rows as one 2-D tensor by int32
+    row)."""
     heads = q_lat.shape[1]
-    cache_bytes = cache.shape[0] * cache.stride(0) * cache.element_size()
+    nb, bs = cache.shape[0], cache.shape[1]
     return (tiles.row_mode and (heads <= DENSE_GLUON_HEADS or heads % DENSE_GLUON_HEADS == 0)
-            and cache_bytes < 1 << 35 and _gluon_ds_mla_rows(q_lat, q_pe, cache, ds_mla))
+            and bs & (bs - 1) == 0 and cache.stride(0) == bs * cache.stride(1) and nb * bs < 1 << 31
+            and _gluon_ds_mla_rows(q_lat, q_pe, cache, ds_mla))
 
 
 def kernels(name: str = "triton_kernels") -> ModuleType:
@@ -479,12 +481,14 @@ def dense_mla_gluon(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat.dtype, q_lat.device)
     group = min(heads, DENSE_GLUON_HEADS)
     if t:
-        kernels("gluon_kernels").dense_mla_kernel[(t, heads // group, splits)](
-            q_lat, q_pe, flat.view(torch.float32), flat.view(torch.bfloat16), rows.tables, rows.positions,
+        gluon = kernels("gluon_kernels")
+        box = min(flat.shape[1], gluon.DENSE_BN)
+        gluon.dense_mla_kernel[(t, heads // group, splits)](
+            q_lat, q_pe, flat.view(torch.float32), *gluon.dense_descriptors(flat, box), rows.tables, rows.positions,
             rows.token_to_req, rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
-            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), flat.stride(1),
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(1),
             rows.tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_SIZE=flat.shape[1], SPLIT=split, GROUP=group, H=DENSE_GLUON_HEADS, DIRECT=splits == 1,
+            BLOCK_SIZE=flat.shape[1], SPLIT=split, GROUP=group, R=box, H=DENSE_GLUON_HEADS, DIRECT=splits == 1,
             num_warps=4, **shape,
         )
     _combine(out, part_o, part_ml, rows.is_padding, splits)
