@@ -5,8 +5,7 @@
 Each probe keeps some of the kernel's warp groups and replaces the others with stand-ins that only
 pass the ring's mbarriers on, so its time is what those warp groups alone need:
 
-* ``kernel``: the package's kernel (``launch.dense_mla_gluon``), also with other L2 prefetch
-  distances (``PREFETCH``);
+* ``kernel``: the package's kernel (``launch.dense_mla_gluon``);
 * ``mma only``: the scores and values warp groups over whatever the ring holds (a stand-in marks each
   slot full as soon as it is free): the MMAs, the softmax and the hand-over between the two;
 * ``scores only`` / ``values only``: one MMA warp group, the other a stand-in;
@@ -33,7 +32,6 @@ from pcppass.kernels.attention.gluon_kernels import (
     DENSE_DEQUANT_REGS,
     DENSE_DEQUANT_WARPS,
     DENSE_HEADS,
-    DENSE_PREFETCH,
     DENSE_VALUES_REGS,
     LATENT,
     _dense_box_slots,
@@ -90,9 +88,9 @@ def _values_standin(p_ready, p_free, kv_empty, lo, hi, BN: gl.constexpr):
 
 
 @gluon.jit
-def _copies_only(CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, stride_s, slots, raw_codes,
-                 raw_scales, raw_rope, raw_bar, kv_ready, kv_empty, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 BN: gl.constexpr, R: gl.constexpr, L: gl.constexpr, WARPS: gl.constexpr):
+def _copies_only(codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, slots, raw_codes, raw_scales, raw_rope,
+                 raw_bar, kv_ready, kv_empty, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr,
+                 R: gl.constexpr, L: gl.constexpr, WARPS: gl.constexpr):
     """The dequant warps' box rows and TMA copies, one tile in flight, no conversion."""
     _dense_box_slots(TABLES, table_row, lo, hi, slots, SPLIT, BLOCK_SIZE, BN, R, WARPS)
     n_tiles = gl.cdiv(hi - lo, BN)
@@ -111,13 +109,13 @@ def _copies_only(CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, l
 
 @gluon.jit
 def dense_probe_kernel(
-    Q_LAT, Q_PE, CODES, codes_desc, scales_desc, rope_desc, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O,
-    PART_ML, qk_scale, num_splits, num_heads,
-    stride_qt, stride_qh, stride_pt, stride_ph, stride_s, stride_table, stride_ot, stride_oh,
+    Q_LAT, Q_PE, codes_desc, scales_desc, rope_desc, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML,
+    qk_scale, num_splits, num_heads,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_table, stride_ot, stride_oh,
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, PROBE: gl.constexpr, R: gl.constexpr,
     H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
     VALUES_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
-    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
+    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS,
 ):
     """``dense_mla_kernel``'s program with the warp groups of ``PROBE`` (see the module docstring)."""
     row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
@@ -153,22 +151,19 @@ def dense_probe_kernel(
     elif PROBE == "dequant only":
         gl.warp_specialize([
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
-            (_dense_dequant_warps, (CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, stride_s,
-                                    slots, kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope,
-                                    raw_bar, kv_ready, kv_empty, SPLIT, BLOCK_SIZE, BN, R, L, H, DEQUANT_WARPS,
-                                    PREFETCH)),
+            (_dense_dequant_warps, (codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, slots, kv0, kv1,
+                                    kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, raw_bar, kv_ready,
+                                    kv_empty, SPLIT, BLOCK_SIZE, BN, R, L, H, DEQUANT_WARPS)),
         ], [DEQUANT_WARPS], [DEQUANT_REGS])
     else:  # "copies only"
         gl.warp_specialize([
             (_drain_standin, (kv_ready, kv_empty, lo, hi, BN)),
-            (_copies_only, (CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, stride_s, slots,
-                            raw_codes, raw_scales, raw_rope, raw_bar, kv_ready, kv_empty, SPLIT, BLOCK_SIZE, BN, R, L,
+            (_copies_only, (codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, slots, raw_codes,
+                            raw_scales, raw_rope, raw_bar, kv_ready, kv_empty, SPLIT, BLOCK_SIZE, BN, R, L,
                             DEQUANT_WARPS)),
         ], [DEQUANT_WARPS], [DEQUANT_REGS])
 
 
-#: the kernel's L2 prefetch distance (``PREFETCH``: tiles ahead; 1: none) timed beside its default
-PREFETCH_SWEEP = (1, 2, 4, 6)
 PROBES = ("mma only", "scores only", "values only", "dequant only", "copies only")
 
 
@@ -182,10 +177,10 @@ def probe(name: str, q_lat, q_pe, cache, rows, scale: float, split: int):
     out, part_o, part_ml = launch._outputs(t, heads, lat, max(splits, 2), q_lat.dtype, q_lat.device)
     box = min(flat.shape[1], DENSE_BN)
     dense_probe_kernel[(t, 1, splits)](
-        q_lat, q_pe, flat.view(torch.float32), *dense_descriptors(flat, box), rows.tables, rows.positions,
-        rows.token_to_req, rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(1),
-        rows.tables.stride(0), out.stride(0), out.stride(1),
+        q_lat, q_pe, *dense_descriptors(flat, box), rows.tables, rows.positions, rows.token_to_req, rows.is_padding,
+        out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), rows.tables.stride(0), out.stride(0),
+        out.stride(1),
         BLOCK_SIZE=flat.shape[1], SPLIT=split, GROUP=heads, PROBE=name, R=box, num_warps=4)
     return out
 
@@ -203,10 +198,6 @@ def measure(rows: int, context: int, split: int, reps: int) -> dict:
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
     entries = [{"probe": "kernel", "us": _time(lambda: launch.dense_mla_gluon(q_lat, q_pe, cache, step, 0.07, split),
                                                reps), "rel_err": err}]
-    for prefetch in PREFETCH_SWEEP:
-        entries.append({"probe": f"kernel, L2 prefetch {prefetch - 1} tiles further" if prefetch > 1 else
-                        "kernel, no L2 prefetch", "us": _time(lambda p=prefetch: launch.dense_mla_gluon(
-                            q_lat, q_pe, cache, step, 0.07, split, PREFETCH=p), reps)})
     for name in PROBES:
         entries.append({"probe": name, "us": _time(lambda name=name: probe(name, q_lat, q_pe, cache, step, 0.07,
                                                                            split), reps)})

@@ -135,6 +135,15 @@ def _half2_bits(x):
     return bits | (bits << 16)
 
 
+@gluon.constexpr_function
+def codes_layout(warps):
+    """The dequant warps' layout of a key tile's codes ``[keys, 32 words]`` (one 128-dim chunk):
+    8 codes per thread, so a quarter-warp's float16 stores (16 bytes each) fill the eight 16-byte
+    bank groups of a 128-byte swizzled row (with 16 codes per thread they were two-way conflicts)
+    and a half-warp reads 128 bytes of one row."""
+    return gl.BlockedLayout([1, 2], [2, 16], [warps, 1], [1, 0])
+
+
 @gluon.jit
 def _row_offsets(INDEX, TABLES, CODES, table_row, row, lo, hi, stride_it, stride_b, stride_s, bases,
                  SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, L: gl.constexpr):
@@ -180,7 +189,7 @@ def _copy_rows(CODES, ROPE_VALUES, bases, raw_codes, raw_scales, raw_rope, tile,
     """``cp.async`` of the cache rows of tile ``bases[tile]`` into raw slot ``raw``: codes
     ``[BN, L/4]`` words, each 128-dim chunk's scales ``raw_scales[4 raw + c]``, RoPE values
     ``[BN, 64]``; unused picks are filled with zeros."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])  # a key's codes per warp
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])  # a key's 512 bytes per warp
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     base, used = _tile_offsets(bases, tile, gl.SliceLayout(1, codes_l))
     w = gl.arange(0, L // 4, layout=gl.SliceLayout(0, codes_l))
@@ -204,7 +213,7 @@ def _dequant_tile(raw_codes, s0, s1, s2, s3, inverse, kv_bufs, first):
     """A raw tile's four latent chunks (128 dims each), each key's codes times its chunk's scale
     over the tile's unit (``inverse`` = 1 / unit), as float16 into ``kv_bufs[first + c]``; every
     chunk's codes are read from shared memory before the first is converted."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [4, 1], [1, 0])  # 8 codes per thread
+    codes_l: gl.constexpr = codes_layout(4)
     w0 = raw_codes.slice(0, 32, dim=1).load(codes_l)
     w1 = raw_codes.slice(32, 32, dim=1).load(codes_l)
     w2 = raw_codes.slice(64, 32, dim=1).load(codes_l)
@@ -222,7 +231,7 @@ def _dequant_warps(INDEX, TABLES, CODES, ROPE_VALUES, table_row, row, lo, hi, st
                    M: gl.constexpr):
     """4 warps: the split's row offsets once, then per tile: copy two tiles ahead into the raw
     ring, convert this one into the free float16 slot with its RoPE values and its unit ``F``."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [4, 1], [1, 0])  # 8 codes per thread
+    codes_l: gl.constexpr = codes_layout(4)
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     keys_l: gl.constexpr = gl.SliceLayout(1, codes_l)
@@ -494,8 +503,6 @@ DENSE_VALUES_REGS = 112
 DENSE_DEQUANT_REGS = 152
 #: warps converting the key tiles (one partition)
 DENSE_DEQUANT_WARPS = 8
-#: key tiles ahead whose rows the dequant warps prefetch into L2 (1: none)
-DENSE_PREFETCH = 3
 #: the raw slot's shared layouts, which the TMA descriptors of :func:`dense_descriptors` share:
 #: the codes' 128-dim chunks in 128-byte swizzled rows (conflict-free reads), the scales as rows of
 #: 16 bytes, the RoPE values as the float16 ring's
@@ -545,27 +552,6 @@ def _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, tile, raw_codes,
 
 
 @gluon.jit
-def _dense_prefetch_tile(CODES, slots, tile, stride_s, BN: gl.constexpr, R: gl.constexpr, WARPS: gl.constexpr):
-    """Key tile ``tile``'s rows prefetched into L2 (``prefetch.global.L2`` of an address every 128
-    bytes of each box and of its last word: every line the box spans; nothing waits for it, no
-    register or shared memory holds it), so its copies later find them there."""
-    lines_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
-    row = slots.index(tile).load(gl.SliceLayout(1, lines_l))
-    line = gl.arange(0, 8 * R, layout=gl.SliceLayout(0, lines_l))
-    span = R * stride_s  # bytes of a box
-    at = CODES + (row.to(gl.int64) * stride_s // 4)[:, None] + gl.minimum(line * 32, span // 4 - 1)[None, :]
-    live = (line * 128 < span + 128)[None, :] & (row >= 0)[:, None]
-    gl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        setp.ne.b32 p, $2, 0;
-        @p prefetch.global.L2 [$1];
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r", [at, live.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _dense_tile_unit(raw_scales, first_key, hi, BN: gl.constexpr, WARPS: gl.constexpr):
     """``(F, 1/F)`` (:func:`_tile_unit`) of the raw slot's tile (keys from ``first_key``, those
     from ``hi`` on not counted), each warp reading every scale of the tile (a layout repeated across
@@ -584,18 +570,16 @@ def _scale_column(scales, c: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _dense_dequant_warps(CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, stride_s, slots, kv0,
-                         kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, raw_bar, kv_ready,
-                         kv_empty, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, R: gl.constexpr,
-                         L: gl.constexpr, H: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr):
+def _dense_dequant_warps(codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, slots, kv0, kv1, kv2, kv3,
+                         pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, raw_bar, kv_ready, kv_empty,
+                         SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BN: gl.constexpr, R: gl.constexpr,
+                         L: gl.constexpr, H: gl.constexpr, WARPS: gl.constexpr):
     """``WARPS`` warps: the split's box rows once (:func:`_dense_box_slots`), then per key tile:
     read the raw slot into registers, start the next tile's TMA copies into it, convert this tile
     to float16 in units of its largest scale (:func:`_tile_unit`, :func:`_scaled_codes`) into the
     free ring slot with its RoPE values and unit. Keys from ``hi`` on (copied all the same) become
     zeros."""
-    # 8 codes per thread: a quarter-warp's float16 stores (16 bytes each) fill the eight 16-byte
-    # bank groups of a 128-byte swizzled row (with 16 codes per thread they were two-way conflicts)
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [WARPS, 1], [1, 0])
+    codes_l: gl.constexpr = codes_layout(WARPS)
     scales_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [WARPS, 1], [1, 0])
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     unit_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -605,9 +589,6 @@ def _dense_dequant_warps(CODES, codes_desc, scales_desc, rope_desc, TABLES, tabl
     if n_tiles > 0:
         _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, 0, raw_codes, raw_scales, raw_rope, raw_bar, BN, R,
                          L, WARPS)
-    for t in gl.static_range(1, PREFETCH):
-        if t < n_tiles:
-            _dense_prefetch_tile(CODES, slots, t, stride_s, BN, R, WARPS)
     for i in range(n_tiles):
         mbarrier.wait(raw_bar, i & 1)
         w0 = raw_codes.index(0).load(codes_l)
@@ -620,8 +601,6 @@ def _dense_dequant_warps(CODES, codes_desc, scales_desc, rope_desc, TABLES, tabl
         if i + 1 < n_tiles:
             _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, i + 1, raw_codes, raw_scales, raw_rope,
                              raw_bar, BN, R, L, WARPS)
-        if i + PREFETCH < n_tiles:
-            _dense_prefetch_tile(CODES, slots, i + PREFETCH, stride_s, BN, R, WARPS)
         live = lo + i * BN + gl.arange(0, BN, layout=keys_l) < hi
         s0 = gl.where(live, _scale_column(scales, 0, keys_l), 0.0) * inverse
         s1 = gl.where(live, _scale_column(scales, 1, keys_l), 0.0) * inverse
@@ -800,19 +779,18 @@ def dense_shared_memory(SPLIT: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, 
 
 @gluon.jit
 def dense_mla_kernel(
-    Q_LAT, Q_PE, CODES, codes_desc, scales_desc, rope_desc, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O,
-    PART_ML, qk_scale, num_splits, num_heads,
-    stride_qt, stride_qh, stride_pt, stride_ph, stride_s, stride_table, stride_ot, stride_oh,
+    Q_LAT, Q_PE, codes_desc, scales_desc, rope_desc, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML,
+    qk_scale, num_splits, num_heads,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_table, stride_ot, stride_oh,
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr, R: gl.constexpr,
     H: gl.constexpr = DENSE_HEADS, BN: gl.constexpr = DENSE_BN, L: gl.constexpr = LATENT,
     VALUES_WARP_REGS: gl.constexpr = DENSE_VALUES_REGS, DEQUANT_WARP_REGS: gl.constexpr = DENSE_DEQUANT_REGS,
-    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS, PREFETCH: gl.constexpr = DENSE_PREFETCH,
+    DEQUANT_WARPS: gl.constexpr = DENSE_DEQUANT_WARPS,
 ):
     """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
     ``SPLIT`` keys): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's positions up to its
-    own. ``CODES``: the cache's bytes as float32 words (``stride_s`` bytes per row, rows contiguous
-    across blocks); the descriptors (:func:`dense_descriptors`) copy boxes of ``R`` rows. See the
-    module docstring."""
+    own; the cache's rows through the descriptors of :func:`dense_descriptors` (boxes of ``R``
+    rows). See the module docstring."""
     row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
                                                          GROUP)
     (q_smem, qpe_smem, kv0, kv1, kv2, kv3, pe_bufs, p_bufs, f_bufs, unit_bufs, l_buf, slots, raw_codes, raw_scales,
@@ -825,9 +803,9 @@ def dense_mla_kernel(
         (_dense_values_warps, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh,
                                p_bufs, f_bufs, l_buf, kv0, kv1, kv2, kv3, unit_bufs, kv_empty, p_ready, p_free, done,
                                GROUP, BN, L, H, DIRECT)),
-        (_dense_dequant_warps, (CODES, codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, stride_s, slots,
-                                kv0, kv1, kv2, kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, raw_bar,
-                                kv_ready, kv_empty, SPLIT, BLOCK_SIZE, BN, R, L, H, DEQUANT_WARPS, PREFETCH)),
+        (_dense_dequant_warps, (codes_desc, scales_desc, rope_desc, TABLES, table_row, lo, hi, slots, kv0, kv1, kv2,
+                                kv3, pe_bufs, unit_bufs, raw_codes, raw_scales, raw_rope, raw_bar, kv_ready, kv_empty,
+                                SPLIT, BLOCK_SIZE, BN, R, L, H, DEQUANT_WARPS)),
     ], [4, DEQUANT_WARPS], [VALUES_WARP_REGS, DEQUANT_WARP_REGS])
 
 

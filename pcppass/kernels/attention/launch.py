@@ -473,7 +473,7 @@ def dense_mla_gluon(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     ``cache [nb, bs, 656]``, decode rows: one program per (row, block of up to
     :data:`DENSE_GLUON_HEADS` heads, split of ``split`` keys, default :data:`DENSE_GLUON_SPLIT`),
     merged by :func:`_combine` -> ``[T, H, 512]``. ``shape``: the kernel's launch constants
-    (``PREFETCH``, ``DEQUANT_WARP_REGS``, ...) for benchmarks; the defaults are the measured ones."""
+    (``DEQUANT_WARP_REGS``, ...) for benchmarks; the defaults are the measured ones."""
     t, heads, lat = q_lat.shape
     split = split or DENSE_GLUON_SPLIT
     flat = cache.view(torch.uint8).reshape(cache.shape[0], cache.shape[1], -1)
@@ -484,10 +484,10 @@ def dense_mla_gluon(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
         gluon = kernels("gluon_kernels")
         box = min(flat.shape[1], gluon.DENSE_BN)
         gluon.dense_mla_kernel[(t, heads // group, splits)](
-            q_lat, q_pe, flat.view(torch.float32), *gluon.dense_descriptors(flat, box), rows.tables, rows.positions,
-            rows.token_to_req, rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
-            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(1),
-            rows.tables.stride(0), out.stride(0), out.stride(1),
+            q_lat, q_pe, *gluon.dense_descriptors(flat, box), rows.tables, rows.positions, rows.token_to_req,
+            rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), rows.tables.stride(0), out.stride(0),
+            out.stride(1),
             BLOCK_SIZE=flat.shape[1], SPLIT=split, GROUP=group, R=box, H=DENSE_GLUON_HEADS, DIRECT=splits == 1,
             num_warps=4, **shape,
         )
