@@ -26,6 +26,6 @@ if [ -n "${PROBE:-}" ]; then
     | grep "^|" | tail -8
 fi
 if [ -n "${KERNELS:-}" ]; then
-  timeout 150 python3 -m pcppass bench kernels --rows 32,64 --context 16384,32768 --reps 10 --out "$OUT" --tag h200 \
+  timeout 240 python3 -m pcppass bench kernels --rows 32,64 --context 16384,32768 --reps 10 --out "$OUT" --tag h200 \
     2>&1 | grep -E "mla|wrote|json" | tail -8
 fi
