@@ -35,14 +35,16 @@ program (DeepSeek-V3 at TP 8 has the same): every position up to the row's own, 
 program. Few heads make it a bytes kernel (656 bytes against 16 x 1088 MMA lanes per key), so the
 keys are the MMAs' M (64-key tiles, the heads zero-padded to N = 16) and the work is keeping two
 things apart: the copies in flight and the conversions. Program (row, block of 16 heads, split);
-three partitions, 212-224 KB of shared memory (1024 to 4096 keys per split):
+three partitions, about 208 KB of shared memory:
 
-* **dequant warps** (8): the split's keys' cache offsets once into shared memory (the block table
-  read once, so a tile's copies never wait for it); per tile the raw slot (codes, scales, RoPE
-  values) read into registers, the next tile's ``cp.async`` into it, the rows of the tile
-  ``PREFETCH - 1`` further prefetched into L2, then the conversion into the free slot of a ring of
-  two float16 tiles (one shared buffer per 128-dim chunk, so no barrier separates their stores), in
-  units of the tile's largest scale as above, each warp reducing the tile's scales itself.
+* **dequant warps** (8): the split's boxes (up to 64 consecutive keys of one block) looked up once
+  into shared memory (the block table read once, so a tile's copies never wait for it); per tile
+  the raw slot (codes, scales, RoPE values) read into registers, the next tile's TMA copies into it
+  (the copy engine writes each row at its offset within 128 bytes, where ``cp.async`` into
+  512-byte slots spent two shared-memory wavefronts per line), then the conversion into the free
+  slot of a ring of two float16 tiles (one shared buffer per 128-dim chunk, so no barrier separates
+  their stores), in units of the tile's largest scale as above, each warp reducing the tile's
+  scales itself; keys past the row's end, copied with their box, become zeros.
 * **scores warps** (4): ``kv . q_lat`` (float16, four chunks) plus ``k_pe . q_pe`` (bf16), the
   online softmax over the tile's keys (across the four warps), the float16 probabilities and the
   accumulators' factor to a double buffer; the running sum kept per key row until the end.
@@ -62,7 +64,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 #: keys per tile, heads per program, latent dims and their quantisation tile, RoPE dims
@@ -739,7 +742,7 @@ def dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT: gl.c
 
 @gluon.jit
 def dense_shared_memory(SPLIT: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, R: gl.constexpr):
-    """Every shared buffer and mbarrier of a dense program (about 206 KB), the mbarriers initialised."""
+    """Every shared buffer and mbarrier of a dense program (about 208 KB), the mbarriers initialised."""
     f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
