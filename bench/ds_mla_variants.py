@@ -367,6 +367,10 @@ def package_variants() -> list:
     return [(f"package Gluon kernel (dense_mla_kernel), {split} keys per split",
              lambda q_lat, q_pe, cache, rows, scale, split=split: launch.dense_mla_gluon(q_lat, q_pe, cache, rows,
                                                                                          scale, split))
+            for split in PACKAGE_SPLITS] + [
+            (f"package Gluon kernel, A operands in registers (dense_mla_regs_kernel), {split} keys per split",
+             lambda q_lat, q_pe, cache, rows, scale, split=split: launch.dense_mla_regs(q_lat, q_pe, cache, rows,
+                                                                                        scale, split))
             for split in PACKAGE_SPLITS]
 
 

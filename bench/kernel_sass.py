@@ -218,6 +218,12 @@ def dense_mla_gluon_case(heads: int = 16) -> Launch:
     return intercept(lambda: launch.dense_mla_gluon(q_lat, q_pe, cache, step, 0.07), "dense_mla_kernel")
 
 
+def dense_mla_regs_case(heads: int = 16) -> Launch:
+    """The same launch of :func:`launch.dense_mla_regs` (both MMAs' A operands in registers)."""
+    q_lat, q_pe, cache, step = mla_inputs(True, heads=heads)
+    return intercept(lambda: launch.dense_mla_regs(q_lat, q_pe, cache, step, 0.07), "dense_mla_regs_kernel")
+
+
 CASES: dict[str, Callable[[], Launch]] = {
     "mla_fp8_ds_mla": lambda: mla_case(True),
     "mla_bf16": lambda: mla_case(False),
@@ -225,6 +231,7 @@ CASES: dict[str, Callable[[], Launch]] = {
     "gqa_fp8": lambda: gqa_case(True),
     "sparse_mla_gluon": sparse_mla_gluon_case,
     "dense_mla_gluon": dense_mla_gluon_case,
+    "dense_mla_regs": dense_mla_regs_case,
 }
 
 

@@ -211,13 +211,22 @@ def test_sparse_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_mat
 # --- dense MLA (every visible position), DeepSeek-V2 widths -------------------------------------
 
 
-def dense_kernels(q_lat, q_pe, cache, step):
-    """(Gluon output, Triton output) of the launcher's dense fp8_ds_mla MLA."""
+@pytest.fixture(params=["regs", "warp_specialised"])
+def dense_tiles(request):
+    """The launch shape of each dense Gluon kernel: ``gluon_dense.dense_mla_regs_kernel`` (A
+    operands in registers) and the warp-specialised ``gluon_kernels.dense_mla_kernel``."""
+    from pcppass.kernels.attention import launch
+
+    return launch.MLA_FP8_REGS_TILES if request.param == "regs" else launch.MLA_FP8_WS_TILES
+
+
+def dense_kernels(q_lat, q_pe, cache, step, tiles):
+    """(Gluon output, Triton output) of dense fp8_ds_mla MLA."""
     from pcppass.kernels.attention import launch
 
     schedule = launch.tile_schedule(step.rows.query_start_loc, q_lat.shape[0], 1)
     assert launch.gluon_dense_fits(q_lat, q_pe, cache, True, schedule)
-    gluon = launch.mla_attention(q_lat, q_pe, cache, step.rows, SCALE, True)
+    gluon = launch.mla_attention(q_lat, q_pe, cache, step.rows, SCALE, True, tiles=tiles)
     triton = launch.mla_attention(q_lat, q_pe, cache, step.rows, SCALE, True, tiles=launch.MLA_FP8_TRITON_TILES)
     return gluon, triton
 
@@ -227,7 +236,7 @@ def dense_reference(step, q_lat, q_pe, cache) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("heads", [16, 8, 32])
-def test_dense_mla_gluon_matches_float32_reference(heads):
+def test_dense_mla_gluon_matches_float32_reference(heads, dense_tiles):
     """Rows of 3000-4500 positions (four or five splits of 1024 keys, the last split partial), a
     request of three consecutive rows, a row of 700 positions, one at position 0, two padding rows;
     16 heads (one program per row), 8 (padded to 16) and 32 (two programs per row). The Gluon
@@ -237,7 +246,7 @@ def test_dense_mla_gluon_matches_float32_reference(heads):
                      device="cuda")
     cache = v32_cache(step, torch.ones(step.num_blocks * 64, device="cuda"))
     q_lat, q_pe = queries(step.rows.positions.shape[0], heads=heads)
-    gluon, triton = dense_kernels(q_lat, q_pe, cache, step)
+    gluon, triton = dense_kernels(q_lat, q_pe, cache, step, dense_tiles)
     ref = dense_reference(step, q_lat, q_pe, cache)
     err_gluon = float(head_errors(gluon, ref, step.live).max())
     err_triton = float(head_errors(triton, ref, step.live).max())
@@ -246,7 +255,7 @@ def test_dense_mla_gluon_matches_float32_reference(heads):
     assert not gluon[~step.live].any() and gluon.isfinite().all()
 
 
-def test_dense_mla_gluon_blocks_of_16_padded_rows_and_poisoned_dead_keys():
+def test_dense_mla_gluon_blocks_of_16_padded_rows_and_poisoned_dead_keys(dense_tiles):
     """Blocks of 16 keys (four TMA boxes per 64-key tile), cache rows 768 bytes apart, and in the
     kernel's copy every row no query may see filled with 0xFF (NaN codes, scales and RoPE values):
     the very bytes of the clean, unpadded cache's output (the dead keys are copied, then masked),
@@ -267,21 +276,21 @@ def test_dense_mla_gluon_blocks_of_16_padded_rows_and_poisoned_dead_keys():
     q_lat, q_pe = queries(r.positions.shape[0], heads=16)
     schedule = launch.tile_schedule(r.query_start_loc, q_lat.shape[0], 1)
     assert launch.gluon_dense_fits(q_lat, q_pe, poisoned, True, schedule)
-    got = launch.mla_attention(q_lat, q_pe, poisoned, r, SCALE, True)
-    want = launch.mla_attention(q_lat, q_pe, clean, r, SCALE, True)
+    got = launch.mla_attention(q_lat, q_pe, poisoned, r, SCALE, True, tiles=dense_tiles)
+    want = launch.mla_attention(q_lat, q_pe, clean, r, SCALE, True, tiles=dense_tiles)
     assert torch.equal(got, want)
     err = float(head_errors(got, dense_reference(step, q_lat, q_pe, clean), step.live).max())
     print(f"dense, blocks of 16, padded and poisoned rows: largest per-head error {err:.1e}")
     assert err < 1e-2
 
 
-def test_dense_mla_gluon_one_split_writes_the_output_directly():
+def test_dense_mla_gluon_one_split_writes_the_output_directly(dense_tiles):
     """Block tables of 16 blocks (1024 keys, one split): the kernel normalises and writes the
     output itself; a padding row stays zeros."""
     step = make_step([(1, 500 + 101 * i) for i in range(5)] + [(1, 1023)], 1, 64, 16, device="cuda")
     cache = v32_cache(step, torch.ones(step.num_blocks * 64, device="cuda"))
     q_lat, q_pe = queries(step.rows.positions.shape[0], heads=16)
-    gluon, triton = dense_kernels(q_lat, q_pe, cache, step)
+    gluon, triton = dense_kernels(q_lat, q_pe, cache, step, dense_tiles)
     ref = dense_reference(step, q_lat, q_pe, cache)
     err = float(head_errors(gluon, ref, step.live).max())
     print(f"dense, one split: largest per-head error {err:.1e} "
@@ -291,7 +300,7 @@ def test_dense_mla_gluon_one_split_writes_the_output_directly():
 
 
 @pytest.mark.parametrize("small_keys_win", [False, True])
-def test_dense_mla_gluon_scales_across_and_inside_tiles(small_keys_win):
+def test_dense_mla_gluon_scales_across_and_inside_tiles(small_keys_win, dense_tiles):
     """Each 64-key tile is one block of the cache. Keys' magnitudes 2^-11..2^0 at random (inside
     every tile), times 2^20 or 2^-20 by block (tiles 2^40 apart); with queries and large keys of
     opposite signs (``small_keys_win``) the output is the small keys'. Every head within 1e-2 of
@@ -301,7 +310,7 @@ def test_dense_mla_gluon_scales_across_and_inside_tiles(small_keys_win):
     q_lat, q_pe = queries(step.rows.positions.shape[0], heads=16)
     if small_keys_win:
         q_lat, q_pe = q_lat.abs(), q_pe.abs()
-    gluon, triton = dense_kernels(q_lat, q_pe, cache, step)
+    gluon, triton = dense_kernels(q_lat, q_pe, cache, step, dense_tiles)
     ref = dense_reference(step, q_lat, q_pe, cache)
     errors = head_errors(gluon, ref, step.live)
     print(f"dense, tiles 2^40 apart, small keys {'win' if small_keys_win else 'lose'}: largest per-head error "
@@ -309,7 +318,7 @@ def test_dense_mla_gluon_scales_across_and_inside_tiles(small_keys_win):
     assert float(errors.max()) < 1e-2
 
 
-def test_dense_mla_gluon_powers_of_two_give_the_same_bytes():
+def test_dense_mla_gluon_powers_of_two_give_the_same_bytes(dense_tiles):
     """Queries 2^24 and 2^-40 times larger with the scale divided back, and caches 2^24 or 2^-24
     times larger with the queries divided back: the very bytes (times the cache's factor)."""
     from pcppass.kernels.attention import launch
@@ -318,19 +327,19 @@ def test_dense_mla_gluon_powers_of_two_give_the_same_bytes():
     n = step.num_blocks * 64
     q_lat, q_pe = queries(step.rows.positions.shape[0], heads=16)
     cache = v32_cache(step, torch.ones(n, device="cuda"))
-    base = launch.mla_attention(q_lat, q_pe, cache, step.rows, SCALE, True)
+    base = launch.mla_attention(q_lat, q_pe, cache, step.rows, SCALE, True, tiles=dense_tiles)
     for magnitude in (24, -40):
         up = 2.0**magnitude
-        got = launch.mla_attention(q_lat * up, q_pe * up, cache, step.rows, SCALE / up, True)
+        got = launch.mla_attention(q_lat * up, q_pe * up, cache, step.rows, SCALE / up, True, tiles=dense_tiles)
         assert torch.equal(got, base), magnitude
     for magnitude in (24, -24):
         up = 2.0**magnitude
         scaled = v32_cache(step, torch.full((n,), up, device="cuda"))
-        got = launch.mla_attention(q_lat / up, q_pe / up, scaled, step.rows, SCALE, True)
+        got = launch.mla_attention(q_lat / up, q_pe / up, scaled, step.rows, SCALE, True, tiles=dense_tiles)
         assert torch.equal(got, base * up), magnitude
 
 
-def test_dense_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_match():
+def test_dense_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_match(dense_tiles):
     """Row 0 alone and among 40 others: the same bytes; a CUDA-graph replay gives the eager bytes."""
     from pcppass.kernels.attention import launch
 
@@ -340,11 +349,11 @@ def test_dense_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_matc
                             r.is_padding[:1])
     cache = v32_cache(many, torch.ones(many.num_blocks * 64, device="cuda"))
     q_lat, q_pe = queries(41, heads=16)
-    eager = launch.mla_attention(q_lat, q_pe, cache, r, SCALE, True)
-    alone = launch.mla_attention(q_lat[:1], q_pe[:1], cache, first, SCALE, True)
+    eager = launch.mla_attention(q_lat, q_pe, cache, r, SCALE, True, tiles=dense_tiles)
+    alone = launch.mla_attention(q_lat[:1], q_pe[:1], cache, first, SCALE, True, tiles=dense_tiles)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = launch.mla_attention(q_lat, q_pe, cache, r, SCALE, True)
+        captured = launch.mla_attention(q_lat, q_pe, cache, r, SCALE, True, tiles=dense_tiles)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(alone, eager[:1])

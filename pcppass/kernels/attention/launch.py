@@ -87,6 +87,7 @@ class MlaTiles:
     separate_loads: bool = False  # dense fp8_ds_mla rows: see triton_kernels.latent_scores
     dequant_tile: bool = False  # fp8_ds_mla rows: see triton_kernels.dequantized_latent
     gluon: bool = False  # fp8_ds_mla rows on Hopper: gluon_kernels.{sparse,dense}_mla_kernel (gluon_*_fits)
+    dense_regs: bool = False  # with gluon, dense rows: gluon_dense.dense_mla_regs_kernel (A operands in registers)
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -107,6 +108,10 @@ MLA_TILES = MlaTiles(bn=64, stages=2)
 MLA_FP8_TILES = MlaTiles(bn=32, stages=3, separate_loads=True, gluon=True)
 #: the same launches with the Triton kernel only (what runs off Hopper)
 MLA_FP8_TRITON_TILES = dataclasses.replace(MLA_FP8_TILES, gluon=False)
+#: the same launches with each dense Gluon kernel: gluon_dense.dense_mla_regs_kernel (A operands in
+#: registers) and the warp-specialised gluon_kernels.dense_mla_kernel
+MLA_FP8_REGS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_regs=True)
+MLA_FP8_WS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_regs=False)
 MLA_PREFILL_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, dequant_tile=True, gluon=True)
 #: the same launches with the Triton kernel only (what runs off Hopper)
@@ -417,7 +422,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         raise ValueError(f"mla_attention: launch shape {tiles} stacks a different number of heads")
     span = index.shape[1] if sparse else rows.tables.shape[1] * bs
     if not sparse and tiles.gluon and gluon_dense_fits(q_lat, q_pe, cache, ds_mla, schedule):
-        return dense_mla_gluon(q_lat, q_pe, cache, rows, scale)
+        dense = dense_mla_regs if tiles.dense_regs else dense_mla_gluon
+        return dense(q_lat, q_pe, cache, rows, scale)
     splits, split = _splits(schedule, span, tiles.sparse_split if sparse else MLA_SPLIT)
     out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat.dtype, q_lat.device)
     if ds_mla:
@@ -474,6 +480,19 @@ def dense_mla_gluon(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     :data:`DENSE_GLUON_HEADS` heads, split of ``split`` keys, default :data:`DENSE_GLUON_SPLIT`),
     merged by :func:`_combine` -> ``[T, H, 512]``. ``shape``: the kernel's launch constants
     (``DEQUANT_WARP_REGS``, ...) for benchmarks; the defaults are the measured ones."""
+    gluon = kernels("gluon_kernels")
+    return _dense_gluon(gluon.dense_mla_kernel, q_lat, q_pe, cache, rows, scale, split, shape)
+
+
+def dense_mla_regs(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
+                   split: int | None = None) -> torch.Tensor:
+    """:func:`~pcppass.kernels.attention.gluon_dense.dense_mla_regs_kernel` (both MMAs' A operands in
+    registers) over the same programs as :func:`dense_mla_gluon` -> ``[T, H, 512]``."""
+    return _dense_gluon(kernels("gluon_dense").dense_mla_regs_kernel, q_lat, q_pe, cache, rows, scale, split, {})
+
+
+def _dense_gluon(kernel, q_lat, q_pe, cache, rows: StepRows, scale: float, split: int | None, shape: dict):
+    """One launch of a dense fp8_ds_mla Gluon kernel (the two above share their arguments)."""
     t, heads, lat = q_lat.shape
     split = split or DENSE_GLUON_SPLIT
     flat = cache.view(torch.uint8).reshape(cache.shape[0], cache.shape[1], -1)
@@ -483,7 +502,7 @@ def dense_mla_gluon(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     if t:
         gluon = kernels("gluon_kernels")
         box = min(flat.shape[1], gluon.DENSE_BN)
-        gluon.dense_mla_kernel[(t, heads // group, splits)](
+        kernel[(t, heads // group, splits)](
             q_lat, q_pe, *gluon.dense_descriptors(flat, box), rows.tables, rows.positions, rows.token_to_req,
             rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), rows.tables.stride(0), out.stride(0),
