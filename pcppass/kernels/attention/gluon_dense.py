@@ -85,6 +85,16 @@ def values_codes_layout():
 
 
 @gluon.constexpr_function
+def values_scales_layout():
+    """A tile's scales ``[64 keys, 4 chunks]`` held as :func:`values_codes_layout` holds the keys'
+    codes (warp ``w`` chunk ``w``), read as they lie in shared memory and then transposed in
+    registers."""
+    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]],
+                                      lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+                                      warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[64, 4])
+
+
+@gluon.constexpr_function
 def values_rows_layout():
     """:func:`values_codes_layout` over the slot's codes seen as ``[4 x 64 rows, 32 words]`` (what a
     shared-memory load of the swizzled rows takes: chunk ``c``'s key ``k`` is row ``64c + k``)."""
@@ -243,7 +253,8 @@ def _values(o, raw_codes, raw_scales, p_buf, first_key, hi, inverse, o_l: gl.con
     scales_l: gl.constexpr = gl.SliceLayout(2, codes_l)
     keys = first_key + gl.arange(0, 64, layout=gl.SliceLayout(0, scales_l))
     live = (keys < hi)[None, :]
-    scale = gl.where(live, raw_scales.permute((1, 0)).load(scales_l), 0.0) * inverse
+    by_key = raw_scales.load(values_scales_layout())
+    scale = gl.where(live, gl.convert_layout(gl.permute(by_key, (1, 0)), scales_l, assert_trivial=True), 0.0) * inverse
     rows = raw_codes._reinterpret(gl.int32, [256, 32], RAW_CODES_SL).load(values_rows_layout())
     words = gl.where(live[:, :, None], gl.convert_layout(gl.reshape(rows, [4, 64, 32]), codes_l, assert_trivial=True),
                      0)
