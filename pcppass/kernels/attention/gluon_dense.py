@@ -141,9 +141,11 @@ def _codes_f16_exact(words):
 
 
 @gluon.jit
-def _scores_operand(raw_codes, c: gl.constexpr, a_layout: gl.constexpr):
+def _scores_operand(raw_codes, c: gl.constexpr, a_layout: gl.constexpr, PROBE: gl.constexpr):
     """Chunk ``c`` of the slot's codes as the scores' A fragment ``[64 keys, 128]`` (float16, the
     reduction in the permuted order of the module docstring)."""
+    if PROBE == 3:
+        return gl.zeros([64, 128], gl.float16, layout=a_layout)
     words = raw_codes.index(c).load(scores_codes_layout())
     b0, b1, b2, b3 = _codes_f16_exact(words)
     v = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [64, 32 words = 8t + w', b0, b1]
@@ -152,10 +154,12 @@ def _scores_operand(raw_codes, c: gl.constexpr, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _values_operand(words, scale, a_layout: gl.constexpr):
+def _values_operand(words, scale, a_layout: gl.constexpr, PROBE: gl.constexpr):
     """A quarter of a tile's codes ``words [4 chunks, 16 keys, 32 words]`` times ``scale`` (float16x2
     bits, the same shape) as the values' A fragment ``[512 rows, 16 keys]`` (rows in the order of
     the module docstring)."""
+    if PROBE == 3:
+        return gl.zeros([512, 16], gl.float16, layout=a_layout)
     b0, b1, b2, b3 = _codes_f16(words, scale)
     v = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [c, key, word = 4g + wd, b0, b1]
     v = gl.permute(gl.reshape(v, [4, 16, 8, 4, 2, 2]), (3, 5, 0, 4, 2, 1))  # [wd, b1, c, b0, g, key]
@@ -216,21 +220,22 @@ def _query_permuted(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, st
 
 
 @gluon.jit
-def _scores(raw_codes, raw_rope, raw_scales, q_smem, qpe_smem, H: gl.constexpr, s_l: gl.constexpr):
+def _scores(raw_codes, raw_rope, raw_scales, q_smem, qpe_smem, H: gl.constexpr, s_l: gl.constexpr,
+            PROBE: gl.constexpr):
     """A tile's scores ``[64 keys, H]`` before the query's scaling is undone: each chunk's codes
     against the permuted query into an accumulator of its own, times the chunk's scales, plus the
     RoPE part (bf16, A from shared memory)."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
     zero = gl.zeros([64, H], gl.float32, layout=s_l)
-    a0 = _scores_operand(raw_codes, 0, a_l)
+    a0 = _scores_operand(raw_codes, 0, a_l, PROBE)
     s0 = warpgroup_mma(a0, q_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    a1 = _scores_operand(raw_codes, 1, a_l)
+    a1 = _scores_operand(raw_codes, 1, a_l, PROBE)
     s1 = warpgroup_mma(a1, q_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
     s0, a0 = warpgroup_mma_wait(1, deps=(s0, a0))
-    a2 = _scores_operand(raw_codes, 2, a_l)
+    a2 = _scores_operand(raw_codes, 2, a_l, PROBE)
     s2 = warpgroup_mma(a2, q_smem.index(2).permute((1, 0)), zero, use_acc=False, is_async=True)
     s1, a1 = warpgroup_mma_wait(1, deps=(s1, a1))
-    a3 = _scores_operand(raw_codes, 3, a_l)
+    a3 = _scores_operand(raw_codes, 3, a_l, PROBE)
     s3 = warpgroup_mma(a3, q_smem.index(3).permute((1, 0)), zero, use_acc=False, is_async=True)
     s_pe = warpgroup_mma(raw_rope, qpe_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
     c0, c1, c2, c3 = _chunk_scales(raw_scales.load(key_scales_layout()))
@@ -244,7 +249,7 @@ def _scores(raw_codes, raw_rope, raw_scales, q_smem, qpe_smem, H: gl.constexpr, 
 
 
 @gluon.jit
-def _values(o, raw_codes, raw_scales, p_buf, first_key, hi, inverse, o_l: gl.constexpr):
+def _values(o, raw_codes, raw_scales, p_buf, first_key, hi, inverse, o_l: gl.constexpr, PROBE: gl.constexpr):
     """``o + kv^T @ p`` over the slot's tile (dims as M, in the order of the module docstring), the
     codes times their scales over the tile's unit; keys from ``hi`` on contribute nothing (their
     codes and scales are zeroed: whatever bytes they hold)."""
@@ -262,15 +267,15 @@ def _values(o, raw_codes, raw_scales, p_buf, first_key, hi, inverse, o_l: gl.con
     w0, w1, w2, w3 = _key_quarters(words)
     f0, f1, f2, f3 = _key_quarters(factor)
     # two quarters' MMAs in flight: a quarter's fragment is converted while the one before runs
-    a0 = _values_operand(w0, f0, a_l)
+    a0 = _values_operand(w0, f0, a_l, PROBE)
     o = warpgroup_mma(a0, p_buf.slice(0, 16), o, is_async=True)
-    a1 = _values_operand(w1, f1, a_l)
+    a1 = _values_operand(w1, f1, a_l, PROBE)
     o = warpgroup_mma(a1, p_buf.slice(16, 16), o, is_async=True)
     o, a0 = warpgroup_mma_wait(1, deps=(o, a0))
-    a2 = _values_operand(w2, f2, a_l)
+    a2 = _values_operand(w2, f2, a_l, PROBE)
     o = warpgroup_mma(a2, p_buf.slice(32, 16), o, is_async=True)
     o, a1 = warpgroup_mma_wait(1, deps=(o, a1))
-    a3 = _values_operand(w3, f3, a_l)
+    a3 = _values_operand(w3, f3, a_l, PROBE)
     o = warpgroup_mma(a3, p_buf.slice(48, 16), o, is_async=True)
     o, a2, a3 = warpgroup_mma_wait(0, deps=(o, a2, a3))
     return o
@@ -307,13 +312,17 @@ def _raw_slot(R: gl.constexpr):
 
 @gluon.jit
 def _attend_tile(state, raw, phase, first_key, hi, q_smem, qpe_smem, p_buf, down, qk_scale, H: gl.constexpr,
-    s_l: gl.constexpr):
+                 s_l: gl.constexpr, PROBE: gl.constexpr):
     """One key tile of the online softmax: ``state`` (running max, the accumulators' unit, per-row
     running sums, output accumulators) updated with the tile in slot ``raw`` once its copies land."""
     m_i, g, l_rows, o = state
     codes, scales, rope, bar = raw
     mbarrier.wait(bar, phase)
-    lat, s_pe = _scores(codes, rope, scales, q_smem, qpe_smem, H, s_l)
+    if PROBE == 2:
+        lat = gl.zeros([BN, H], gl.float32, layout=s_l)
+        s_pe = lat
+    else:
+        lat, s_pe = _scores(codes, rope, scales, q_smem, qpe_smem, H, s_l, PROBE)
     unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
     s = (lat * down[None, :] + s_pe) * qk_scale
     s = gl.where((first_key + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)) < hi)[:, None], s, float("-inf"))
@@ -325,7 +334,8 @@ def _attend_tile(state, raw, phase, first_key, hi, q_smem, qpe_smem, p_buf, down
     p_buf.store(p.to(gl.float16))
     fence_async_shared()
     o = o * (alpha * (g / unit))[None, :]
-    o = _values(o, codes, scales, p_buf, first_key, hi, inverse, s_l)
+    if PROBE != 1:
+        o = _values(o, codes, scales, p_buf, first_key, hi, inverse, s_l, PROBE)
     return m_new, gl.zeros_like(g) + unit, l_rows, o
 
 
@@ -335,7 +345,7 @@ def dense_mla_regs_kernel(
     qk_scale, num_splits, num_heads,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_table, stride_ot, stride_oh,
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr, R: gl.constexpr,
-    H: gl.constexpr = HEADS,
+    H: gl.constexpr = HEADS, PROBE: gl.constexpr = 0,
 ):
     """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
     ``SPLIT`` keys), one warp group: ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's
@@ -369,11 +379,12 @@ def dense_mla_regs_kernel(
     for i in range(0, n_tiles, 2):
         phase = (i // 2) & 1
         _load_tile(codes_desc, scales_desc, rope_desc, slots, i + 1, n_tiles, raw1, R)
-        state = _attend_tile(state, raw0, phase, lo + i * BN, hi, q_smem, qpe_smem, p_buf, down, qk_scale, H, s_l)
+        state = _attend_tile(state, raw0, phase, lo + i * BN, hi, q_smem, qpe_smem, p_buf, down, qk_scale, H, s_l,
+                             PROBE)
         if i + 1 < n_tiles:
             _load_tile(codes_desc, scales_desc, rope_desc, slots, i + 2, n_tiles, raw0, R)
             state = _attend_tile(state, raw1, phase, lo + (i + 1) * BN, hi, q_smem, qpe_smem, p_buf, down, qk_scale,
-                                 H, s_l)
+                                 H, s_l, PROBE)
     m_i, g, l_rows, o = state
     l_i = gl.sum(l_rows, axis=0)
     heads = gl.arange(0, H, layout=heads_s)

@@ -485,10 +485,11 @@ def dense_mla_gluon(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
 
 
 def dense_mla_regs(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
-                   split: int | None = None) -> torch.Tensor:
+                   split: int | None = None, **shape) -> torch.Tensor:
     """:func:`~pcppass.kernels.attention.gluon_dense.dense_mla_regs_kernel` (both MMAs' A operands in
-    registers) over the same programs as :func:`dense_mla_gluon` -> ``[T, H, 512]``."""
-    return _dense_gluon(kernels("gluon_dense").dense_mla_regs_kernel, q_lat, q_pe, cache, rows, scale, split, {})
+    registers) over the same programs as :func:`dense_mla_gluon` -> ``[T, H, 512]``. ``shape``: its
+    launch constants for benchmarks (``PROBE``)."""
+    return _dense_gluon(kernels("gluon_dense").dense_mla_regs_kernel, q_lat, q_pe, cache, rows, scale, split, shape)
 
 
 def _dense_gluon(kernel, q_lat, q_pe, cache, rows: StepRows, scale: float, split: int | None, shape: dict):
