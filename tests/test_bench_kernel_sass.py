@@ -92,3 +92,22 @@ def test_gluon_dense_mla_kernel_fits_an_sm_and_splits_its_warps():
     for op in ("HGMMA.64x16x16.F32 ", "HGMMA.64x16x16.F32.BF16", "HMUL2", "F2FP.F16.E4M3", "UTMALDG.2D"):
         assert op in sass, op
     assert "LDGSTS" not in sass
+
+
+def test_gluon_dense_mla_regs_kernel_takes_its_mma_operands_from_registers():
+    """``gluon_dense.dense_mla_regs_kernel`` compiles for sm_90 (every layout conversion into the
+    MMA fragments moves no data: the kernel asserts it), two programs fit an SM's shared memory,
+    every latent MMA takes its A operand from registers (64 per pair of tiles, 16 heads as N) and
+    only the RoPE scores read A from shared memory (bf16), the codes are converted in the loop (the
+    values' scaled two at a time), the raw slots are filled by TMA copies and nothing goes through a
+    float16 tile in shared memory (no ``stmatrix`` of codes: the only shared stores are the
+    probabilities')."""
+    stack, shared, regs, sass = gluon_summary("kernel_sass.dense_mla_regs_case()")
+    assert 2 * shared <= 227 * 1024, shared
+    register_a = re.findall(r"HGMMA\.64x16x16\.F32 R\d+, R\d+, gdesc", sass)
+    shared_a = re.findall(r"HGMMA\.64x16x16\.F32\.BF16 R\d+, gdesc", sass)
+    assert len(register_a) >= 64 and register_a and shared_a, (len(register_a), len(shared_a))
+    assert not re.search(r"HGMMA\.64x16x16\.F32 R\d+, gdesc", sass)  # no latent MMA reads A from shared memory
+    for op in ("F2FP.F16.E4M3", "HMUL2", "UTMALDG.2D"):
+        assert op in sass, op
+    assert "LDGSTS" not in sass

@@ -59,3 +59,41 @@ def test_the_former_layout_stores_two_way_conflicted():
     former = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
     assert compiles(former, PLAIN, 128, 0, 1, 8)
     assert not compiles(former, PLAIN, 128, 0, 0, 8)
+
+
+@gluon.jit
+def _operand_reads(OUT, LAYOUT: gl.constexpr, ROWS: gl.constexpr, READ: gl.constexpr):
+    """Compiles only if reading ``[ROWS, 32]`` words of the raw slot in ``LAYOUT`` costs ``READ``
+    extra wavefronts per instruction."""
+    raw = gl.allocate_shared_memory(gl.int32, [ROWS, 32], gluon_kernels.RAW_CODES_SL)
+    words = gl.zeros([ROWS, 32], gl.int32, LAYOUT)
+    gl.static_assert(gl.bank_conflicts(words.type, raw.type) == READ)
+
+
+def reads_with(layout, rows: int, read: int) -> bool:
+    src = GluonASTSource(_operand_reads, {"OUT": "*i32"}, {(1,): layout, (2,): rows, (3,): read}, {})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except Exception as err:
+        if "static_assert" not in str(err) and "Static assertion" not in str(err):
+            raise
+        return False
+    return True
+
+
+def test_register_operand_kernel_reads_its_fragments_without_bank_conflicts():
+    """``gluon_dense``'s MMA fragments straight from the TMA copy's 128-byte swizzled rows: the
+    scores' (a chunk's ``[64 keys, 32 words]``, 32 contiguous bytes per key and lane) and the
+    values' (the slot's ``[4 x 64 rows, 32 words]``, warp ``w`` chunk ``w``, 16 bytes per key and
+    lane) take no extra wavefront; a skewed form of the values' layout is counted beside them, so a
+    conflict is seen when there is one."""
+    from pcppass.kernels.attention import gluon_dense
+
+    assert reads_with(gluon_dense.scores_codes_layout(), 64, 0)
+    assert reads_with(gluon_dense.values_rows_layout(), 256, 0)
+    # a quarter-warp reading keys 4 and 8 apart (instead of 2 and 4): keys 0 and 8 share a swizzle
+    # row, so two of its lanes read the same bank group
+    skewed = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [16, 0], [32, 0]],
+                                        lane_bases=[[8, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
+                                        warp_bases=[[64, 0], [128, 0]], block_bases=[], shape=[256, 32])
+    assert not reads_with(skewed, 256, 0)
