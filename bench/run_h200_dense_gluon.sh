@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 (nvidia-h200), from the repository root: the Gluon MLA kernels' GPU tests (dense and
 # sparse, TESTS= to narrow them with -k), then dense fp8_ds_mla MLA timed side by side: the launcher's
-# Triton kernel and the package's Gluon kernel at 1024 / 2048 / 4096 keys per split (VARIANTS=1: the
+# Triton kernel and the package's Gluon kernels (warp-specialised; A operands in registers) at 1024 / 2048 /
+# 4096 keys per split (VARIANTS=1: the
 # bench's older restructurings too; PROBE=1: the Gluon kernel's partitions alone; KERNELS=1: the
 # kernel table). Writes the test log, ds_mla_package_h200.* (ds_mla_variants_h200.* with VARIANTS=1; dense_mla_probe_h200.*,
 # kernels_h200.*) to $OUT (default bench/results).

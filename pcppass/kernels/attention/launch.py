@@ -87,7 +87,7 @@ class MlaTiles:
     separate_loads: bool = False  # dense fp8_ds_mla rows: see triton_kernels.latent_scores
     dequant_tile: bool = False  # fp8_ds_mla rows: see triton_kernels.dequantized_latent
     gluon: bool = False  # fp8_ds_mla rows on Hopper: gluon_kernels.{sparse,dense}_mla_kernel (gluon_*_fits)
-    dense_regs: bool = False  # with gluon, dense rows: gluon_dense.dense_mla_regs_kernel (A operands in registers)
+    dense_regs: bool = False  # with gluon, dense rows: gluon_dense.dense_mla_regs_kernel (slower: docs/BENCH.md)
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
