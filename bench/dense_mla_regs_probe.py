@@ -13,22 +13,14 @@ CUDA-graph replays, medians, into ``dense_mla_regs_probe_<tag>.*``.
 from __future__ import annotations
 
 import argparse
-import statistics
-
-import torch
 
 PROBES = {0: "the kernel", 1: "no values", 2: "no scores", 3: "MMAs on zero fragments, no codes read"}
 
 
 def _time(call, reps: int) -> float:
-    from pcppass.bench.timing import time_graph
+    from pcppass.bench.timing import graph_median_us
 
-    call()
-    torch.cuda.synchronize()
-    ms, status = time_graph(call, 2, reps)
-    if ms is None:
-        raise RuntimeError(status)
-    return statistics.median(ms) * 1000
+    return graph_median_us(call, reps)
 
 
 def measure(rows: int, context: int, splits: list[int], reps: int) -> list[dict]:

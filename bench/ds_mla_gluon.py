@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from pcppass.kernels.attention.gluon_kernels import pow2_scales
+from pcppass.kernels.attention.gluon_kernels import e4m3_words_f16, pow2_scales
 
 
 @gluon.jit
@@ -69,17 +69,7 @@ def _scales_rope(SCALES, ROPE, table, start, hi, stride_b, stride_s, BN: gl.cons
 @gluon.jit
 def _codes_f16(k):
     """32-bit words of four e4m3 codes [BN, W] -> their float16 values [BN, 4W] (exact)."""
-    c0, c1, c2, c3 = gl.inline_asm_elementwise(
-        """{
-        .reg .b16 lo, hi;
-        .reg .b32 a, b;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        cvt.rn.f16x2.e4m3x2 b, hi;
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
-        }""",
-        "=h,=h,=h,=h,r", [k], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
+    c0, c1, c2, c3 = e4m3_words_f16(k)
     v = gl.permute(gl.join(gl.join(c0, c1), gl.join(c2, c3)), (0, 1, 3, 2))
     return gl.reshape(v, [v.shape[0], v.shape[1] * 4])
 

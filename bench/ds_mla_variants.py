@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 import triton
@@ -345,14 +344,9 @@ VARIANTS = [
 
 
 def _time(call, reps: int) -> float:
-    from pcppass.bench.timing import time_graph
+    from pcppass.bench.timing import graph_median_us
 
-    call()
-    torch.cuda.synchronize()
-    ms, status = time_graph(call, 2, reps)
-    if ms is None:
-        raise RuntimeError(status)
-    return statistics.median(ms) * 1000
+    return graph_median_us(call, reps)
 
 
 #: keys per split the package's Gluon kernel is timed at (``launch.DENSE_GLUON_SPLIT`` is the launcher's)

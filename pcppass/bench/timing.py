@@ -57,6 +57,17 @@ def time_graph(fn: Callable[[], Any], warmup: int, reps: int) -> tuple[list[floa
     return time_steps(graph.replay, warmup, reps), status
 
 
+def graph_median_us(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
+    """Median µs of ``fn``'s CUDA-graph replays after one eager call (which compiles it); raises if
+    it cannot be captured."""
+    fn()
+    torch.cuda.synchronize()
+    ms, status = time_graph(fn, warmup, reps)
+    if ms is None:
+        raise RuntimeError(status)
+    return statistics.median(ms) * 1000
+
+
 def across_ranks(value: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)

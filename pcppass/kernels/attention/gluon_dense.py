@@ -53,8 +53,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from pcppass.kernels.attention.gluon_kernels import (RAW_CODES_SL, RAW_ROPE_SL, RAW_SCALES_SL, _dense_box_slots,
-                                                     _dense_load_tile, _dense_tile_unit, _half2_bits, dense_program,
-                                                     pow2_scales)
+                                                     _dense_load_tile, _dense_tile_unit, _half2_bits, _query_to_smem,
+                                                     dense_program,
+                                                     e4m3_words_f16, e4m3_words_scaled_f16)
 
 #: keys per tile (the scores MMA's M, the values MMA's K), heads per program (both MMAs' N)
 BN = gl.constexpr(64)
@@ -111,50 +112,13 @@ def values_rows_layout():
 
 
 @gluon.jit
-def _codes_f16(words, scale):
-    """32-bit words of four e4m3 codes times ``scale`` (float16x2 bits, broadcast to ``words``) ->
-    four float16 tensors, bytes 0..3 of each word (one ``cvt`` and one ``mul.f16x2`` per two)."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .b16 lo, hi;
-        .reg .b32 a, b;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        cvt.rn.f16x2.e4m3x2 b, hi;
-        mul.rn.f16x2 a, a, $5;
-        mul.rn.f16x2 b, b, $5;
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
-        }""",
-        "=h,=h,=h,=h,r,r", [words, scale], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
-        pack=1)
-
-
-@gluon.jit
-def _codes_f16_exact(words):
-    """32-bit words of four e4m3 codes -> four float16 tensors, bytes 0..3 of each word (one ``cvt``
-    per two codes)."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .b16 lo, hi;
-        .reg .b32 a, b;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        cvt.rn.f16x2.e4m3x2 b, hi;
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
-        }""",
-        "=h,=h,=h,=h,r", [words], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
-
-
-@gluon.jit
 def _scores_operand(raw_codes, c: gl.constexpr, a_layout: gl.constexpr, PROBE: gl.constexpr):
     """Chunk ``c`` of the slot's codes as the scores' A fragment ``[64 keys, 128]`` (float16, the
     reduction in the permuted order of the module docstring)."""
     if PROBE == 3:
         return gl.zeros([64, 128], gl.float16, layout=a_layout)
     words = raw_codes.index(c).load(scores_codes_layout())
-    b0, b1, b2, b3 = _codes_f16_exact(words)
+    b0, b1, b2, b3 = e4m3_words_f16(words)
     v = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [64, 32 words = 8t + w', b0, b1]
     v = gl.permute(gl.reshape(v, [64, 4, 8, 2, 2]), (0, 2, 4, 1, 3))  # [64, w', b1, t, b0]
     return gl.convert_layout(gl.reshape(v, [64, 128]), a_layout, assert_trivial=True)
@@ -167,7 +131,7 @@ def _values_operand(words, scale, a_layout: gl.constexpr, PROBE: gl.constexpr):
     the module docstring)."""
     if PROBE == 3:
         return gl.zeros([512, 16], gl.float16, layout=a_layout)
-    b0, b1, b2, b3 = _codes_f16(words, scale)
+    b0, b1, b2, b3 = e4m3_words_scaled_f16(words, scale)
     v = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [c, key, word = 4g + wd, b0, b1]
     v = gl.permute(gl.reshape(v, [4, 16, 8, 4, 2, 2]), (3, 5, 0, 4, 2, 1))  # [wd, b1, c, b0, g, key]
     return gl.convert_layout(gl.reshape(v, [512, 16]), a_layout, assert_trivial=True)
@@ -197,33 +161,6 @@ def _chunk_scales(scales):
     s0, s2 = gl.split(lo)
     s1, s3 = gl.split(hi)
     return s0, s1, s2, s3
-
-
-@gluon.jit
-def _query_permuted(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
-                    GROUP: gl.constexpr, H: gl.constexpr, heads_l: gl.constexpr):
-    """The program's latent queries as float16 in the scores' reduction order (each 128-dim chunk's
-    position ``16w' + 8b1 + 2t + b0`` holding dim ``32t + 4w' + 2b1 + b0``), each head scaled by the
-    power of two that puts its largest value in [2^14, 2^15), and the RoPE queries (bf16), padded
-    with zero heads to ``H``; returns the factors that undo the scaling, per head, in ``heads_l``."""
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    qh = gl.arange(0, H, layout=gl.SliceLayout(1, q_l))
-    k = gl.arange(0, 128, layout=gl.SliceLayout(0, q_l))
-    dim = 32 * ((k >> 1) & 3) + 4 * (k >> 4) + 2 * ((k >> 3) & 1) + (k & 1)
-    live = (qh < GROUP)[:, None]
-    q_at = Q_LAT + row * stride_qt + (head0 + qh)[:, None] * stride_qh + dim[None, :]
-    amax = gl.max(gl.abs(gl.load(q_at, mask=live, other=0.0).to(gl.float32)), axis=1)
-    for c in gl.static_range(1, 4):
-        amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_at + c * 128, mask=live, other=0.0).to(gl.float32)), axis=1))
-    up, down = pow2_scales(amax)
-    for c in gl.static_range(4):
-        q = gl.load(q_at + c * 128, mask=live, other=0.0).to(gl.float32)
-        q_smem.index(c).store((q * up[:, None]).to(gl.float16))
-    rq = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
-    qpe_smem.store(gl.load(Q_PE + row * stride_pt + (head0 + qh)[:, None] * stride_ph + rq[None, :], mask=live,
-                           other=0.0))
-    fence_async_shared()
-    return gl.convert_layout(down, heads_l)
 
 
 @gluon.jit
@@ -372,8 +309,8 @@ def dense_mla_regs_kernel(
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
     o_l: gl.constexpr = s_l
     heads_s: gl.constexpr = gl.SliceLayout(0, s_l)
-    down = _query_permuted(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
-                           GROUP, H, heads_s)
+    down = _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
+                          GROUP, H, heads_s, PERMUTED=True)
     _dense_box_slots(TABLES, table_row, lo, hi, slots, SPLIT, BLOCK_SIZE, BN, R, 4)
     n_tiles = gl.cdiv(hi - lo, BN)
     _load_tile(codes_desc, scales_desc, rope_desc, slots, 0, n_tiles, raw0, R)
