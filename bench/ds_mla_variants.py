@@ -359,14 +359,12 @@ def package_variants() -> list:
     ``gluon_dense.dense_mla_regs_kernel`` (the MMAs' A operands in registers)."""
     from pcppass.kernels.attention import launch
 
-    return [(f"package Gluon kernel (dense_mla_kernel), {split} keys per split",
-             lambda q_lat, q_pe, cache, rows, scale, split=split: launch.dense_mla_gluon(q_lat, q_pe, cache, rows,
-                                                                                         scale, split))
-            for split in PACKAGE_SPLITS] + [
-            (f"package Gluon kernel, A operands in registers (dense_mla_regs_kernel), {split} keys per split",
-             lambda q_lat, q_pe, cache, rows, scale, split=split: launch.dense_mla_regs(q_lat, q_pe, cache, rows,
-                                                                                        scale, split))
-            for split in PACKAGE_SPLITS]
+    kernels = [("dense_mla_kernel", launch.dense_mla_gluon),
+               ("A operands in registers, dense_mla_regs_kernel", launch.dense_mla_regs),
+               ("A operands in registers, three warp groups, dense_mla_regs_ws_kernel", launch.dense_mla_regs_ws)]
+    return [(f"package Gluon kernel ({name}), {split} keys per split",
+             lambda q_lat, q_pe, cache, rows, scale, run=run, split=split: run(q_lat, q_pe, cache, rows, scale, split))
+            for name, run in kernels for split in PACKAGE_SPLITS]
 
 
 def measure(rows: int, context: int, reps: int, package_only: bool = False) -> dict:

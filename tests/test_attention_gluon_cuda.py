@@ -10,6 +10,7 @@ split the launcher picks for 4 to 32 decode rows per rank; and check what must h
 alone and among others, a CUDA-graph replay, and queries or caches scaled by powers of two.
 """
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -211,13 +212,14 @@ def test_sparse_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_mat
 # --- dense MLA (every visible position), DeepSeek-V2 widths -------------------------------------
 
 
-@pytest.fixture(params=["regs", "warp_specialised"])
+@pytest.fixture(params=["ws", "regs", "regs_ws"])
 def dense_tiles(request):
-    """The launch shape of each dense Gluon kernel: ``gluon_dense.dense_mla_regs_kernel`` (A
-    operands in registers) and the warp-specialised ``gluon_kernels.dense_mla_kernel``."""
+    """The launch shape of each dense Gluon kernel: the warp-specialised
+    ``gluon_kernels.dense_mla_kernel`` and ``gluon_dense``'s with the MMAs' A operands in registers
+    (``dense_mla_regs_kernel``: one warp group; ``dense_mla_regs_ws_kernel``: three)."""
     from pcppass.kernels.attention import launch
 
-    return launch.MLA_FP8_REGS_TILES if request.param == "regs" else launch.MLA_FP8_WS_TILES
+    return dataclasses.replace(launch.MLA_FP8_TILES, dense_kernel=request.param)
 
 
 def dense_kernels(q_lat, q_pe, cache, step, tiles):

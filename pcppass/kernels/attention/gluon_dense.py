@@ -49,12 +49,12 @@ the kernel still takes 296 µs. ``PROBE`` leaves a stage out for ``bench/dense_m
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
 from pcppass.kernels.attention.gluon_kernels import (RAW_CODES_SL, RAW_ROPE_SL, RAW_SCALES_SL, _dense_box_slots,
-                                                     _dense_load_tile, _dense_tile_unit, _half2_bits, _query_to_smem,
-                                                     dense_program,
+                                                     _dense_load_tile, _dense_tile_slots, _dense_tile_unit, _half2_bits,
+                                                     _hand_over, _query_to_smem, dense_program,
                                                      e4m3_words_f16, e4m3_words_scaled_f16)
 
 #: keys per tile (the scores MMA's M, the values MMA's K), heads per program (both MMAs' N)
@@ -112,8 +112,8 @@ def values_rows_layout():
 
 
 @gluon.jit
-def _scores_operand(raw_codes, c: gl.constexpr, a_layout: gl.constexpr, PROBE: gl.constexpr):
-    """Chunk ``c`` of the slot's codes as the scores' A fragment ``[64 keys, 128]`` (float16, the
+def _scores_operand(raw_codes, c, a_layout: gl.constexpr, PROBE: gl.constexpr):
+    """Chunk buffer ``c`` of ``raw_codes`` as the scores' A fragment ``[64 keys, 128]`` (float16, the
     reduction in the permuted order of the module docstring)."""
     if PROBE == 3:
         return gl.zeros([64, 128], gl.float16, layout=a_layout)
@@ -164,22 +164,23 @@ def _chunk_scales(scales):
 
 
 @gluon.jit
-def _scores(raw_codes, raw_rope, raw_scales, q_smem, qpe_smem, H: gl.constexpr, s_l: gl.constexpr,
+def _scores(raw_codes, first, raw_rope, raw_scales, q_smem, qpe_smem, H: gl.constexpr, s_l: gl.constexpr,
             PROBE: gl.constexpr):
-    """A tile's scores ``[64 keys, H]`` before the query's scaling is undone: each chunk's codes
+    """A tile's scores ``[64 keys, H]`` before the query's scaling is undone (its codes the chunk
+    buffers ``first .. first + 3`` of ``raw_codes``): each chunk's codes
     against the permuted query into an accumulator of its own, times the chunk's scales, plus the
     RoPE part (bf16, A from shared memory)."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
     zero = gl.zeros([64, H], gl.float32, layout=s_l)
-    a0 = _scores_operand(raw_codes, 0, a_l, PROBE)
+    a0 = _scores_operand(raw_codes, first + 0, a_l, PROBE)
     s0 = warpgroup_mma(a0, q_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    a1 = _scores_operand(raw_codes, 1, a_l, PROBE)
+    a1 = _scores_operand(raw_codes, first + 1, a_l, PROBE)
     s1 = warpgroup_mma(a1, q_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
     s0, a0 = warpgroup_mma_wait(1, deps=(s0, a0))
-    a2 = _scores_operand(raw_codes, 2, a_l, PROBE)
+    a2 = _scores_operand(raw_codes, first + 2, a_l, PROBE)
     s2 = warpgroup_mma(a2, q_smem.index(2).permute((1, 0)), zero, use_acc=False, is_async=True)
     s1, a1 = warpgroup_mma_wait(1, deps=(s1, a1))
-    a3 = _scores_operand(raw_codes, 3, a_l, PROBE)
+    a3 = _scores_operand(raw_codes, first + 3, a_l, PROBE)
     s3 = warpgroup_mma(a3, q_smem.index(3).permute((1, 0)), zero, use_acc=False, is_async=True)
     s_pe = warpgroup_mma(raw_rope, qpe_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
     c0, c1, c2, c3 = _chunk_scales(raw_scales.load(key_scales_layout()))
@@ -266,7 +267,7 @@ def _attend_tile(state, raw, phase, first_key, hi, q_smem, qpe_smem, p_buf, down
         lat = gl.zeros([BN, H], gl.float32, layout=s_l)
         s_pe = lat
     else:
-        lat, s_pe = _scores(codes, rope, scales, q_smem, qpe_smem, H, s_l, PROBE)
+        lat, s_pe = _scores(codes, 0, rope, scales, q_smem, qpe_smem, H, s_l, PROBE)
     unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
     s = (lat * down[None, :] + s_pe) * qk_scale
     s = gl.where((first_key + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)) < hi)[:, None], s, float("-inf"))
@@ -343,3 +344,272 @@ def dense_mla_regs_kernel(
         gl.store(PART_O + part[None, :] * LATENT + dims, o * g[None, :], mask=live)
         gl.store(PART_ML + part * 2, m_i, mask=heads < GROUP)
         gl.store(PART_ML + part * 2 + 1, l_i, mask=heads < GROUP)
+
+
+# --- the same conversions in three warp groups: scores, and the values split by dims -------------
+
+#: registers of each values thread of :func:`dense_mla_regs_ws_kernel` (the scores warps take the rest)
+WS_VALUES_REGS = 152
+#: raw slots of :func:`dense_mla_regs_ws_kernel` (two tiles in flight beside the one being read)
+WS_STAGES = gl.constexpr(3)
+
+
+@gluon.constexpr_function
+def pair_rows_layout():
+    """A values warp group's half of a tile's codes, chunks ``2k`` and ``2k + 1`` as ``[2 x 64 rows,
+    32 words]``: warp ``w`` holds chunk ``2k + (w >> 1)``, words ``[16 (w & 1), + 16)``; lane
+    ``4g + t`` the two words ``2g`` (one 8-byte load) of keys ``16s + 8q + 2t + e``."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [1, 0], [8, 0], [16, 0], [32, 0]],
+                                      lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
+                                      warp_bases=[[0, 16], [64, 0]], block_bases=[], shape=[128, 32])
+
+
+@gluon.constexpr_function
+def pair_codes_layout():
+    """:func:`pair_rows_layout` as ``[2 chunks, 64 keys, 32 words]``."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 1, 0], [0, 8, 0], [0, 16, 0], [0, 32, 0]],
+                                      lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
+                                      warp_bases=[[0, 0, 16], [1, 0, 0]], block_bases=[], shape=[2, 64, 32])
+
+
+@gluon.constexpr_function
+def pair_scales_layout():
+    """A tile's scales ``[64 keys, 4 chunks]`` as a values warp group needs them: the keys as
+    :func:`pair_codes_layout`'s, chunk bit 0 the warp's (``w >> 1``), chunk bit 1 in registers."""
+    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0], [0, 2]],
+                                      lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+                                      warp_bases=[[0, 0], [0, 1]], block_bases=[], shape=[64, 4])
+
+
+@gluon.jit
+def _pair_operand(words, scale, a_layout: gl.constexpr):
+    """A quarter of the group's codes ``words [2 chunks, 16 keys, 32 words]`` times ``scale`` as the
+    values' A fragment ``[256 rows, 16 keys]``: row ``64mb + 16w + 8h + g`` is the dim
+    ``128 (2k + (w >> 1)) + 64 (w & 1) + 8g + 2mb + h`` (:func:`_pair_dims`)."""
+    b0, b1, b2, b3 = e4m3_words_scaled_f16(words, scale)
+    v = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [c', key, word = 16 w1 + 2g + wd, b0, b1]
+    v = gl.permute(gl.reshape(v, [2, 16, 2, 8, 2, 2, 2]), (4, 6, 0, 2, 5, 3, 1))  # [wd, b1, c', w1, b0, g, key]
+    return gl.convert_layout(gl.reshape(v, [256, 16]), a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _pair_halves(x):
+    """``x [2, 2n, 32]`` as its keys ``[0, n)`` and ``[n, 2n)``."""
+    n: gl.constexpr = x.shape[1] // 2
+    return gl.split(gl.permute(gl.reshape(x, [2, 2, n, 32]), (0, 2, 3, 1)))
+
+
+@gluon.jit
+def _pair_quarters(x):
+    lo, hi = _pair_halves(x)
+    q0, q1 = _pair_halves(lo)
+    q2, q3 = _pair_halves(hi)
+    return q0, q1, q2, q3
+
+
+@gluon.jit
+def _pair_values(o, pair_rows, scales, p_buf, first_key, hi, inverse, K: gl.constexpr, o_l: gl.constexpr):
+    """``o + kv^T @ p`` over chunks ``2K`` and ``2K + 1`` of a tile (``pair_rows``: their codes as
+    ``[128, 32]``), the codes times their scales over the tile's unit; keys from ``hi`` on zeroed."""
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    codes_l: gl.constexpr = pair_codes_layout()
+    scales_l: gl.constexpr = gl.SliceLayout(2, codes_l)
+    keys = first_key + gl.arange(0, 64, layout=gl.SliceLayout(0, scales_l))
+    live = (keys < hi)[None, :]
+    by_key = gl.permute(gl.reshape(scales.load(pair_scales_layout()), [64, 2, 2]), (0, 2, 1))  # [key, c', k]
+    mine, theirs = gl.split(by_key)
+    if K == 1:
+        mine = theirs
+    scale = gl.where(live, gl.convert_layout(gl.permute(mine, (1, 0)), scales_l, assert_trivial=True), 0.0) * inverse
+    rows = pair_rows.load(pair_rows_layout())
+    words = gl.where(live[:, :, None], gl.convert_layout(gl.reshape(rows, [2, 64, 32]), codes_l, assert_trivial=True),
+                     0)
+    factor, words = gl.broadcast(_half2_bits(scale)[:, :, None], words)
+    w0, w1, w2, w3 = _pair_quarters(words)
+    f0, f1, f2, f3 = _pair_quarters(factor)
+    a0 = _pair_operand(w0, f0, a_l)
+    o = warpgroup_mma(a0, p_buf.slice(0, 16), o, is_async=True)
+    a1 = _pair_operand(w1, f1, a_l)
+    o = warpgroup_mma(a1, p_buf.slice(16, 16), o, is_async=True)
+    o, a0 = warpgroup_mma_wait(1, deps=(o, a0))
+    a2 = _pair_operand(w2, f2, a_l)
+    o = warpgroup_mma(a2, p_buf.slice(32, 16), o, is_async=True)
+    o, a1 = warpgroup_mma_wait(1, deps=(o, a1))
+    a3 = _pair_operand(w3, f3, a_l)
+    o = warpgroup_mma(a3, p_buf.slice(48, 16), o, is_async=True)
+    o, a2, a3 = warpgroup_mma_wait(0, deps=(o, a2, a3))
+    return o
+
+
+@gluon.jit
+def _pair_dims(K: gl.constexpr, o_l: gl.constexpr):
+    """The cache dim of each of a values group's 256 accumulator rows (:func:`_pair_operand`)."""
+    r = gl.arange(0, 256, layout=gl.SliceLayout(1, o_l))
+    w = (r >> 4) & 3
+    return (128 * (2 * K + (w >> 1)) + 64 * (w & 1) + 8 * (r & 7) + 2 * (r >> 6) + ((r >> 3) & 1))[:, None]
+
+
+@gluon.jit
+def _ws_load(codes_desc, scales_desc, rope_desc, slots, tile, n_tiles, raw_codes, raw_scales, raw_rope, raw_ready,
+             raw_free, R: gl.constexpr):
+    """TMA copies of tile ``tile`` (when there is one) into its slot, once both values groups are
+    done with the tile that slot held before."""
+    if tile < n_tiles:
+        s = tile % WS_STAGES
+        mbarrier.wait(raw_free.index(s), ((tile // WS_STAGES) & 1) ^ 1)
+        bar = raw_ready.index(s)
+        mbarrier.expect(bar, BN * (LATENT + 16 + 128))
+        row, box = _dense_tile_slots(slots, tile, 4)
+        for j in gl.static_range(BN // R):
+            first = gl.max(gl.where(box == j, row, 0), axis=0)
+            for c in gl.static_range(4):
+                tma.async_copy_global_to_shared(codes_desc, [first, 32 * c], bar,
+                                                raw_codes.index(4 * s + c).slice(j * R, R))
+            tma.async_copy_global_to_shared(scales_desc, [first, LATENT // 4], bar, raw_scales.index(s).slice(j * R, R))
+            tma.async_copy_global_to_shared(rope_desc, [first, (LATENT + 16) // 2], bar,
+                                            raw_rope.index(s).slice(j * R, R))
+
+
+@gluon.jit
+def _ws_scores(Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES, row, head0, lo, hi, table_row,
+               qk_scale, num_heads, num_splits, split, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
+               slots, raw_codes, raw_scales, raw_rope, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free,
+               done, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, R: gl.constexpr,
+               H: gl.constexpr, DIRECT: gl.constexpr):
+    """The scores warp group: the query, the split's boxes and the TMA copies (two tiles ahead), then
+    per tile the scores from register operands (:func:`_scores`), the online softmax, the
+    probabilities and the accumulators' factor for the values groups; at the end the running max
+    and sum."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
+    heads_s: gl.constexpr = gl.SliceLayout(0, s_l)
+    down = _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
+                          GROUP, H, heads_s, PERMUTED=True)
+    _dense_box_slots(TABLES, table_row, lo, hi, slots, SPLIT, BLOCK_SIZE, BN, R, 4)
+    n_tiles = gl.cdiv(hi - lo, BN)
+    _ws_load(codes_desc, scales_desc, rope_desc, slots, 0, n_tiles, raw_codes, raw_scales, raw_rope, raw_ready,
+             raw_free, R)
+    _ws_load(codes_desc, scales_desc, rope_desc, slots, 1, n_tiles, raw_codes, raw_scales, raw_rope, raw_ready,
+             raw_free, R)
+    m_i = gl.full([H], float("-inf"), gl.float32, layout=heads_s)
+    g = gl.full([H], 1.0, gl.float32, layout=heads_s)
+    l_rows = gl.zeros([BN, H], gl.float32, layout=s_l)
+    for i in range(n_tiles):
+        _ws_load(codes_desc, scales_desc, rope_desc, slots, i + 2, n_tiles, raw_codes, raw_scales, raw_rope,
+                 raw_ready, raw_free, R)
+        s = i % WS_STAGES
+        mbarrier.wait(raw_ready.index(s), (i // WS_STAGES) & 1)
+        scales = raw_scales.index(s)
+        lat, s_pe = _scores(raw_codes, 4 * s, raw_rope.index(s), scales, q_smem, qpe_smem, H, s_l, 0)
+        first_key = lo + i * BN
+        unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
+        sc = (lat * down[None, :] + s_pe) * qk_scale
+        sc = gl.where((first_key + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)) < hi)[:, None], sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc - m_safe[None, :])
+        l_rows = l_rows * alpha[None, :] + p
+        m_i = m_new
+        factor = alpha * (g / unit)
+        g = gl.zeros_like(g) + unit
+        _hand_over(p, factor, p_bufs, f_bufs, p_ready, p_free, i % 2, (i // 2) & 1)
+    l_i = gl.sum(l_rows, axis=0)
+    if DIRECT:
+        l_buf.store(l_i)
+        mbarrier.arrive(done, count=1)
+    else:
+        h = gl.arange(0, H, layout=heads_s)
+        part = (row * num_heads + head0 + h) * num_splits + split
+        gl.store(PART_ML + part * 2, m_i, mask=h < GROUP)
+        gl.store(PART_ML + part * 2 + 1, l_i, mask=h < GROUP)
+
+
+@gluon.jit
+def _ws_values(OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, raw_codes,
+               raw_scales, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, K: gl.constexpr,
+               GROUP: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr):
+    """A values warp group: ``kv^T @ p`` over latent chunks ``2K`` and ``2K + 1`` from the raw slots
+    (register operands, :func:`_pair_values`) and the scores group's probabilities and factors,
+    then those dims of the split's output (normalised into ``OUT`` with one split, else its partial
+    output)."""
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
+    heads_o: gl.constexpr = gl.SliceLayout(0, o_l)
+    pairs = raw_codes._reinterpret(gl.int32, [2 * WS_STAGES, 2 * BN, 32], RAW_CODES_SL)
+    g = gl.full([H], 1.0, gl.float32, layout=heads_o)
+    o = gl.zeros([256, H], gl.float32, layout=o_l)
+    for i in range(gl.cdiv(hi - lo, BN)):
+        s = i % WS_STAGES
+        b = i % 2
+        mbarrier.wait(raw_ready.index(s), (i // WS_STAGES) & 1)
+        mbarrier.wait(p_ready.index(b), (i // 2) & 1)
+        scales = raw_scales.index(s)
+        first_key = lo + i * BN
+        unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
+        o = o * f_bufs.index(b).load(heads_o)[None, :]
+        g = gl.zeros_like(g) + unit
+        o = _pair_values(o, pairs.index(2 * s + K), scales, p_bufs.index(b), first_key, hi, inverse, K, o_l)
+        mbarrier.arrive(p_free.index(b), count=1)
+        mbarrier.arrive(raw_free.index(s), count=1)
+    heads = gl.arange(0, H, layout=heads_o)
+    live = (heads < GROUP)[None, :]
+    dims = _pair_dims(K, o_l)
+    if DIRECT:
+        mbarrier.wait(done, 0)
+        l_i = l_buf.load(heads_o)
+        f = g / gl.where(l_i == 0.0, 1.0, l_i)
+        at = OUT + row * stride_ot + (head0 + heads)[None, :] * stride_oh
+        gl.store(at + dims, (o * f[None, :]).to(OUT.dtype.element_ty), mask=live)
+    else:
+        part = (row * num_heads + head0 + heads) * num_splits + split
+        gl.store(PART_O + part[None, :] * LATENT + dims, o * g[None, :], mask=live)
+
+
+@gluon.jit
+def dense_mla_regs_ws_kernel(
+    Q_LAT, Q_PE, codes_desc, scales_desc, rope_desc, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML,
+    qk_scale, num_splits, num_heads,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_table, stride_ot, stride_oh,
+    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr, R: gl.constexpr,
+    H: gl.constexpr = HEADS, VALUES_WARP_REGS: gl.constexpr = WS_VALUES_REGS,
+):
+    """:func:`dense_mla_regs_kernel`'s conversions in three warp groups sharing three raw slots:
+    the scores group (the TMA copies, the scores, the softmax) and two values groups, each the
+    values of two latent chunks (256 dims as M), a tile behind the scores."""
+    row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
+                                                         GROUP)
+    f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
+    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_smem = gl.allocate_shared_memory(gl.float16, [4, H, 128], f16_sl)
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], f16_sl)
+    p_bufs = gl.allocate_shared_memory(gl.float16, [2, BN, H], p_sl)
+    f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
+    l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
+    slots = gl.allocate_shared_memory(gl.int32, [SPLIT // BN, BN // R], plain1)
+    raw_codes = gl.allocate_shared_memory(gl.int32, [4 * WS_STAGES, BN, 32], RAW_CODES_SL)
+    raw_scales = gl.allocate_shared_memory(gl.float32, [WS_STAGES, BN, 4], RAW_SCALES_SL)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [WS_STAGES, BN, 64], RAW_ROPE_SL)
+    raw_ready = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
+    raw_free = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(WS_STAGES):
+        mbarrier.init(raw_ready.index(b), count=1)
+        mbarrier.init(raw_free.index(b), count=2)
+    for b in gl.static_range(2):
+        mbarrier.init(p_ready.index(b), count=1)
+        mbarrier.init(p_free.index(b), count=2)
+    mbarrier.init(done, count=1)
+    gl.warp_specialize([
+        (_ws_scores, (Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES, row, head0, lo, hi, table_row,
+                      qk_scale, num_heads, num_splits, split, stride_qt, stride_qh, stride_pt, stride_ph, q_smem,
+                      qpe_smem, slots, raw_codes, raw_scales, raw_rope, raw_ready, raw_free, p_bufs, f_bufs, l_buf,
+                      p_ready, p_free, done, BLOCK_SIZE, SPLIT, GROUP, R, H, DIRECT)),
+        (_ws_values, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, raw_codes,
+                      raw_scales, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, 0, GROUP, H,
+                      DIRECT)),
+        (_ws_values, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, raw_codes,
+                      raw_scales, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, 1, GROUP, H,
+                      DIRECT)),
+    ], [4, 4], [VALUES_WARP_REGS, VALUES_WARP_REGS])

@@ -87,7 +87,8 @@ class MlaTiles:
     separate_loads: bool = False  # dense fp8_ds_mla rows: see triton_kernels.latent_scores
     dequant_tile: bool = False  # fp8_ds_mla rows: see triton_kernels.dequantized_latent
     gluon: bool = False  # fp8_ds_mla rows on Hopper: gluon_kernels.{sparse,dense}_mla_kernel (gluon_*_fits)
-    dense_regs: bool = False  # with gluon, dense rows: gluon_dense.dense_mla_regs_kernel (slower: docs/BENCH.md)
+    dense_kernel: str = "ws"  # with gluon, dense rows: "ws" gluon_kernels.dense_mla_kernel, "regs" / "regs_ws"
+    # gluon_dense.dense_mla_regs_kernel / dense_mla_regs_ws_kernel (A operands in registers; docs/BENCH.md)
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -108,10 +109,11 @@ MLA_TILES = MlaTiles(bn=64, stages=2)
 MLA_FP8_TILES = MlaTiles(bn=32, stages=3, separate_loads=True, gluon=True)
 #: the same launches with the Triton kernel only (what runs off Hopper)
 MLA_FP8_TRITON_TILES = dataclasses.replace(MLA_FP8_TILES, gluon=False)
-#: the same launches with each dense Gluon kernel: gluon_dense.dense_mla_regs_kernel (A operands in
-#: registers) and the warp-specialised gluon_kernels.dense_mla_kernel
-MLA_FP8_REGS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_regs=True)
-MLA_FP8_WS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_regs=False)
+#: the same launches with each dense Gluon kernel: the warp-specialised gluon_kernels.dense_mla_kernel
+#: and gluon_dense's with the MMAs' A operands in registers (one warp group; three)
+MLA_FP8_WS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="ws")
+MLA_FP8_REGS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="regs")
+MLA_FP8_REGS_WS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="regs_ws")
 MLA_PREFILL_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, dequant_tile=True, gluon=True)
 #: the same launches with the Triton kernel only (what runs off Hopper)
@@ -422,7 +424,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         raise ValueError(f"mla_attention: launch shape {tiles} stacks a different number of heads")
     span = index.shape[1] if sparse else rows.tables.shape[1] * bs
     if not sparse and tiles.gluon and gluon_dense_fits(q_lat, q_pe, cache, ds_mla, schedule):
-        dense = dense_mla_regs if tiles.dense_regs else dense_mla_gluon
+        dense = {"ws": dense_mla_gluon, "regs": dense_mla_regs, "regs_ws": dense_mla_regs_ws}[tiles.dense_kernel]
         return dense(q_lat, q_pe, cache, rows, scale)
     splits, split = _splits(schedule, span, tiles.sparse_split if sparse else MLA_SPLIT)
     out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat.dtype, q_lat.device)
@@ -490,6 +492,14 @@ def dense_mla_regs(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     registers) over the same programs as :func:`dense_mla_gluon` -> ``[T, H, 512]``. ``shape``: its
     launch constants for benchmarks (``PROBE``)."""
     return _dense_gluon(kernels("gluon_dense").dense_mla_regs_kernel, q_lat, q_pe, cache, rows, scale, split, shape)
+
+
+def dense_mla_regs_ws(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
+                      split: int | None = None, **shape) -> torch.Tensor:
+    """:func:`~pcppass.kernels.attention.gluon_dense.dense_mla_regs_ws_kernel` (register operands,
+    a scores warp group and two values warp groups) over the same programs -> ``[T, H, 512]``."""
+    return _dense_gluon(kernels("gluon_dense").dense_mla_regs_ws_kernel, q_lat, q_pe, cache, rows, scale, split,
+                        shape)
 
 
 def _dense_gluon(kernel, q_lat, q_pe, cache, rows: StepRows, scale: float, split: int | None, shape: dict):
