@@ -111,3 +111,18 @@ def test_gluon_dense_mla_regs_kernel_takes_its_mma_operands_from_registers():
     for op in ("F2FP.F16.E4M3", "HMUL2", "UTMALDG.2D"):
         assert op in sass, op
     assert "LDGSTS" not in sass
+
+
+def test_gluon_dense_mla_regs_ws_kernel_splits_its_warp_groups_without_spills():
+    """``gluon_dense.dense_mla_regs_ws_kernel`` compiles for sm_90: no spills, one program's three
+    raw slots within an SM's shared memory, the values groups at 152 registers and the scores group
+    at 200, the 64 latent MMAs of a tile with A in registers (the scores' over 64 keys, the values'
+    over 256 dims in each values group) and the RoPE scores' four from shared memory."""
+    stack, shared, regs, sass = gluon_summary("kernel_sass.dense_mla_regs_ws_case()")
+    assert stack == 0 and shared <= 227 * 1024, (stack, shared)
+    assert {152, 200} <= set(regs), regs
+    register_a = re.findall(r"HGMMA\.64x16x16\.F32 R\d+, R\d+, gdesc", sass)
+    shared_a = re.findall(r"HGMMA\.64x16x16\.F32\.BF16 R\d+, gdesc", sass)
+    assert len(register_a) == 64 and len(shared_a) == 4, (len(register_a), len(shared_a))
+    for op in ("F2FP.F16.E4M3", "HMUL2", "UTMALDG.2D", "SYNCS"):
+        assert op in sass, op

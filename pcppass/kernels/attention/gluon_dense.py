@@ -40,11 +40,15 @@ float32 scale; the values as :func:`gluon_kernels.dense_mla_kernel` (a value's c
 over the tile's unit, rounded to float16; float16 probabilities; float32 accumulation).
 
 Measured on one H200 (docs/BENCH.md): the shared-memory pipe half as busy as the warp-specialised
-kernel's, yet 331 against 306 µs at 32 rows, 32k, so it is not the launcher's (``MlaTiles.dense_regs``
+kernel's, yet 331 against 306 µs at 32 rows, 32k, so it is not the launcher's (``MlaTiles.dense_kernel``
 selects it). Its 255 registers (the values' 64 accumulator registers, two fragments in flight on
 each side) leave two programs of one warp group per SM, and one warp group's MMA chain, each group
 waited for before its registers are reused, is then the time: with zero fragments and no codes read
 the kernel still takes 296 µs. ``PROBE`` leaves a stage out for ``bench/dense_mla_regs_probe.py``.
+
+:func:`dense_mla_regs_ws_kernel` splits the same conversions over three warp groups of one program
+per SM (scores with the TMA copies; two values groups of 256 dims each, a tile behind): no spills,
+but 380 µs, its one scores warp group's MMA chain and softmax per tile being the bound.
 """
 
 from triton.experimental import gluon
