@@ -58,7 +58,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from pcppass.kernels.attention.gluon_kernels import (RAW_CODES_SL, RAW_ROPE_SL, RAW_SCALES_SL, _dense_box_slots,
                                                      _dense_load_tile, _dense_tile_slots, _dense_tile_unit, _half2_bits,
-                                                     _hand_over, _query_to_smem, dense_program,
+                                                     _hand_over, _query_to_smem, dense_program, dense_split_stats,
+                                                     keys_softmax_step,
                                                      e4m3_words_f16, e4m3_words_scaled_f16)
 
 #: keys per tile (the scores MMA's M, the values MMA's K), heads per program (both MMAs' N)
@@ -275,11 +276,7 @@ def _attend_tile(state, raw, phase, first_key, hi, q_smem, qpe_smem, p_buf, down
     unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
     s = (lat * down[None, :] + s_pe) * qk_scale
     s = gl.where((first_key + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)) < hi)[:, None], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - m_safe[None, :])
-    l_rows = l_rows * alpha[None, :] + p
+    m_new, alpha, p, l_rows = keys_softmax_step(s, m_i, l_rows)
     p_buf.store(p.to(gl.float16))
     fence_async_shared()
     o = o * (alpha * (g / unit))[None, :]
@@ -508,24 +505,12 @@ def _ws_scores(Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES,
         unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
         sc = (lat * down[None, :] + s_pe) * qk_scale
         sc = gl.where((first_key + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)) < hi)[:, None], sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - m_safe[None, :])
-        l_rows = l_rows * alpha[None, :] + p
-        m_i = m_new
+        m_i, alpha, p, l_rows = keys_softmax_step(sc, m_i, l_rows)
         factor = alpha * (g / unit)
         g = gl.zeros_like(g) + unit
         _hand_over(p, factor, p_bufs, f_bufs, p_ready, p_free, i % 2, (i // 2) & 1)
-    l_i = gl.sum(l_rows, axis=0)
-    if DIRECT:
-        l_buf.store(l_i)
-        mbarrier.arrive(done, count=1)
-    else:
-        h = gl.arange(0, H, layout=heads_s)
-        part = (row * num_heads + head0 + h) * num_splits + split
-        gl.store(PART_ML + part * 2, m_i, mask=h < GROUP)
-        gl.store(PART_ML + part * 2 + 1, l_i, mask=h < GROUP)
+    dense_split_stats(l_rows, m_i, l_buf, done, PART_ML, row, head0, num_heads, num_splits, split, GROUP, H, DIRECT,
+                      heads_s)
 
 
 @gluon.jit

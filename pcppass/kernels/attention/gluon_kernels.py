@@ -322,6 +322,34 @@ def _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, str
 
 
 @gluon.jit
+def keys_softmax_step(s, m_i, l_rows):
+    """One key tile of the online softmax over ``s [keys, heads]`` (-inf where not visible): the new
+    running max per head, the factor that rescales what came before, the tile's probabilities and
+    the running sums kept per key row (``l_rows``, summed at the end)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[None, :])
+    return m_new, alpha, p, l_rows * alpha[None, :] + p
+
+
+@gluon.jit
+def dense_split_stats(l_rows, m_i, l_buf, done, PART_ML, row, head0, num_heads, num_splits, split,
+                      GROUP: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr, heads_l: gl.constexpr):
+    """A dense split's running sum (its per-key-row sums added up) and max: with one split the sum
+    for the values warps (``l_buf``, then ``done``), else both into the split's partial."""
+    l_i = gl.sum(l_rows, axis=0)
+    if DIRECT:
+        l_buf.store(l_i)
+        mbarrier.arrive(done, count=1)
+    else:
+        h = gl.arange(0, H, layout=heads_l)
+        part = (row * num_heads + head0 + h) * num_splits + split
+        gl.store(PART_ML + part * 2, m_i, mask=h < GROUP)
+        gl.store(PART_ML + part * 2 + 1, l_i, mask=h < GROUP)
+
+
+@gluon.jit
 def _hand_over(p, factor, p_bufs, f_bufs, p_ready, p_free, slot, phase):
     """A tile's probabilities (float16) and the accumulators' factor into slot ``slot`` of the
     values warps' double buffer, once they are done with the tile two before."""
@@ -681,24 +709,12 @@ def _dense_scores_warps(Q_LAT, Q_PE, PART_ML, row, head0, lo, hi, qk_scale, num_
         s_pe, s_lat = warpgroup_mma_wait(0, deps=(s_pe, s_lat))
         s = (s_lat * (down * unit)[None, :] + s_pe) * qk_scale
         s = gl.where((keys < hi)[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[None, :])
-        l_rows = l_rows * alpha[None, :] + p
-        m_i = m_new
+        m_i, alpha, p, l_rows = keys_softmax_step(s, m_i, l_rows)
         factor = alpha * (g / unit)
         g = unit
         _hand_over(p, factor, p_bufs, f_bufs, p_ready, p_free, slot, phase)
-    l_i = gl.sum(l_rows, axis=0)
-    if DIRECT:
-        l_buf.store(l_i)
-        mbarrier.arrive(done, count=1)
-    else:
-        h = gl.arange(0, H, layout=heads_s)
-        part = (row * num_heads + head0 + h) * num_splits + split
-        gl.store(PART_ML + part * 2, m_i, mask=h < GROUP)
-        gl.store(PART_ML + part * 2 + 1, l_i, mask=h < GROUP)
+    dense_split_stats(l_rows, m_i, l_buf, done, PART_ML, row, head0, num_heads, num_splits, split, GROUP, H, DIRECT,
+                      heads_s)
 
 
 @gluon.jit
@@ -773,7 +789,6 @@ def dense_shared_memory(SPLIT: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, 
     """Every shared buffer and mbarrier of a dense program (about 208 KB), the mbarriers initialised."""
     f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(gl.float16, [4, H, 128], f16_sl)
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], f16_sl)
