@@ -1,7 +1,8 @@
 """The Gluon MLA kernels over fp8_ds_mla rows (what the launcher runs on Hopper): DeepSeek-V3.2's
-sparse MLA (``gluon_kernels.sparse_mla_kernel``) and dense MLA (``gluon_kernels.dense_mla_kernel``,
-DeepSeek-V2's 16 heads per program), against a float32 reference and the Triton kernel (skipped
-without an sm_90 GPU).
+sparse MLA (``gluon_kernels.sparse_mla_kernel``) and dense MLA (DeepSeek-V2's 16 heads per program:
+the launcher's ``gluon_kernels.dense_mla_kernel`` and ``gluon_dense``'s two kernels with the MMAs' A
+operands in registers, each dense test run for all three), against a float32 reference and the
+Triton kernel (skipped without an sm_90 GPU).
 
 The kernel rounds every latent value once to float16 in units of its key tile's largest scale, so
 the tests draw caches whose scales differ from key to key inside a tile (up to 2^11) and from tile
