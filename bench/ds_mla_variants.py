@@ -29,7 +29,8 @@ what overlapping the work takes:
 Each kernel is timed from CUDA-graph replays (median) on the same inputs as the launcher's; its
 output is compared with the launcher's Triton kernel (max relative error), as are the package's
 Gluon kernels (``gluon_kernels.dense_mla_kernel``, what the launcher runs on Hopper, and
-``gluon_dense.dense_mla_regs_kernel``) at 1024, 2048 and 4096 keys per split. Writes ``<out>/ds_mla_variants_<tag>.json`` and ``.md``
+``gluon_dense``'s two with register operands) at 1024, 2048 and 4096 keys per split. Writes
+``<out>/ds_mla_variants_<tag>.json`` and ``.md``
 (``--package-only``: only the Triton and package kernels, into ``ds_mla_package_<tag>.*``).
 """
 
@@ -355,8 +356,8 @@ PACKAGE_SPLITS = (1024, 2048, 4096)
 
 def package_variants() -> list:
     """(name, launch) of the package's Gluon kernels at each of :data:`PACKAGE_SPLITS`:
-    ``gluon_kernels.dense_mla_kernel`` (what the launcher runs on Hopper) and
-    ``gluon_dense.dense_mla_regs_kernel`` (the MMAs' A operands in registers)."""
+    ``gluon_kernels.dense_mla_kernel`` (what the launcher runs on Hopper) and ``gluon_dense``'s
+    ``dense_mla_regs_kernel`` and ``dense_mla_regs_ws_kernel`` (the MMAs' A operands in registers)."""
     from pcppass.kernels.attention import launch
 
     kernels = [("dense_mla_kernel", launch.dense_mla_gluon),

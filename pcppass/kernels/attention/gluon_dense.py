@@ -53,19 +53,19 @@ but 380 µs, its one scores warp group's MMA chain and softmax per tile being th
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
+from pcppass.kernels.attention import gluon_kernels
 from pcppass.kernels.attention.gluon_kernels import (RAW_CODES_SL, RAW_ROPE_SL, RAW_SCALES_SL, _dense_box_slots,
-                                                     _dense_load_tile, _dense_tile_slots, _dense_tile_unit, _half2_bits,
-                                                     _hand_over, _query_to_smem, dense_program, dense_split_stats,
-                                                     keys_softmax_step,
-                                                     e4m3_words_f16, e4m3_words_scaled_f16)
+                                                     _dense_load_tile, _dense_tile_unit, _half2_bits, _hand_over,
+                                                     _query_to_smem, dense_program, dense_split_stats,
+                                                     e4m3_words_f16, e4m3_words_scaled_f16, keys_softmax_step)
 
 #: keys per tile (the scores MMA's M, the values MMA's K), heads per program (both MMAs' N)
-BN = gl.constexpr(64)
-HEADS = 16
-LATENT = gl.constexpr(512)
+BN = gl.constexpr(gluon_kernels.DENSE_BN)
+HEADS = gluon_kernels.DENSE_HEADS
+LATENT = gl.constexpr(gluon_kernels.LATENT)
 
 
 @gluon.constexpr_function
@@ -144,15 +144,15 @@ def _values_operand(words, scale, a_layout: gl.constexpr, PROBE: gl.constexpr):
 
 @gluon.jit
 def _key_halves(x):
-    """``x [4, 2n, 32]`` as its keys ``[0, n)`` and ``[n, 2n)`` (the top key bit a register's in
-    :func:`values_codes_layout`: no data moves)."""
+    """``x [c, 2n, 32]`` as its keys ``[0, n)`` and ``[n, 2n)`` (the top key bit a register's in
+    :func:`values_codes_layout` and :func:`pair_codes_layout`: no data moves)."""
     n: gl.constexpr = x.shape[1] // 2
-    return gl.split(gl.permute(gl.reshape(x, [4, 2, n, 32]), (0, 2, 3, 1)))
+    return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, n, 32]), (0, 2, 3, 1)))
 
 
 @gluon.jit
 def _key_quarters(x):
-    """``x [4, 64, 32]`` as its four quarters of 16 keys."""
+    """``x [c, 64, 32]`` as its four quarters of 16 keys."""
     lo, hi = _key_halves(x)
     q0, q1 = _key_halves(lo)
     q2, q3 = _key_halves(hi)
@@ -199,6 +199,27 @@ def _scores(raw_codes, first, raw_rope, raw_scales, q_smem, qpe_smem, H: gl.cons
 
 
 @gluon.jit
+def _quarter_mmas(o, words, factor, p_buf, operand: gl.constexpr, a_l: gl.constexpr, PROBE: gl.constexpr):
+    """``o`` plus the values MMAs of a tile's four quarters of 16 keys (``words`` and their
+    ``factor`` split by :func:`_key_quarters`, each converted by ``operand`` into an A fragment):
+    two quarters' MMAs in flight, a quarter's fragment converted while the one before runs."""
+    w0, w1, w2, w3 = _key_quarters(words)
+    f0, f1, f2, f3 = _key_quarters(factor)
+    a0 = operand(w0, f0, a_l, PROBE)
+    o = warpgroup_mma(a0, p_buf.slice(0, 16), o, is_async=True)
+    a1 = operand(w1, f1, a_l, PROBE)
+    o = warpgroup_mma(a1, p_buf.slice(16, 16), o, is_async=True)
+    o, a0 = warpgroup_mma_wait(1, deps=(o, a0))
+    a2 = operand(w2, f2, a_l, PROBE)
+    o = warpgroup_mma(a2, p_buf.slice(32, 16), o, is_async=True)
+    o, a1 = warpgroup_mma_wait(1, deps=(o, a1))
+    a3 = operand(w3, f3, a_l, PROBE)
+    o = warpgroup_mma(a3, p_buf.slice(48, 16), o, is_async=True)
+    o, a2, a3 = warpgroup_mma_wait(0, deps=(o, a2, a3))
+    return o
+
+
+@gluon.jit
 def _values(o, raw_codes, raw_scales, p_buf, first_key, hi, inverse, o_l: gl.constexpr, PROBE: gl.constexpr):
     """``o + kv^T @ p`` over the slot's tile (dims as M, in the order of the module docstring), the
     codes times their scales over the tile's unit; keys from ``hi`` on contribute nothing (their
@@ -214,21 +235,7 @@ def _values(o, raw_codes, raw_scales, p_buf, first_key, hi, inverse, o_l: gl.con
     words = gl.where(live[:, :, None], gl.convert_layout(gl.reshape(rows, [4, 64, 32]), codes_l, assert_trivial=True),
                      0)
     factor, words = gl.broadcast(_half2_bits(scale)[:, :, None], words)
-    w0, w1, w2, w3 = _key_quarters(words)
-    f0, f1, f2, f3 = _key_quarters(factor)
-    # two quarters' MMAs in flight: a quarter's fragment is converted while the one before runs
-    a0 = _values_operand(w0, f0, a_l, PROBE)
-    o = warpgroup_mma(a0, p_buf.slice(0, 16), o, is_async=True)
-    a1 = _values_operand(w1, f1, a_l, PROBE)
-    o = warpgroup_mma(a1, p_buf.slice(16, 16), o, is_async=True)
-    o, a0 = warpgroup_mma_wait(1, deps=(o, a0))
-    a2 = _values_operand(w2, f2, a_l, PROBE)
-    o = warpgroup_mma(a2, p_buf.slice(32, 16), o, is_async=True)
-    o, a1 = warpgroup_mma_wait(1, deps=(o, a1))
-    a3 = _values_operand(w3, f3, a_l, PROBE)
-    o = warpgroup_mma(a3, p_buf.slice(48, 16), o, is_async=True)
-    o, a2, a3 = warpgroup_mma_wait(0, deps=(o, a2, a3))
-    return o
+    return _quarter_mmas(o, words, factor, p_buf, _values_operand, a_l, PROBE)
 
 
 @gluon.jit
@@ -237,6 +244,15 @@ def _output_dims(o_l: gl.constexpr):
     r = gl.arange(0, 512, layout=gl.SliceLayout(1, o_l))
     mb = r >> 6
     return (128 * ((r >> 4) & 3) + 16 * (r & 7) + 4 * (mb >> 1) + 2 * (mb & 1) + ((r >> 3) & 1))[:, None]
+
+
+@gluon.jit
+def _tile_softmax(lat, s_pe, down, qk_scale, first_key, hi, m_i, l_rows, s_l: gl.constexpr):
+    """A tile's scores (the latent part's query scaling undone, keys from ``hi`` on at -inf) through
+    :func:`gluon_kernels.keys_softmax_step`."""
+    s = (lat * down[None, :] + s_pe) * qk_scale
+    s = gl.where((first_key + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)) < hi)[:, None], s, float("-inf"))
+    return keys_softmax_step(s, m_i, l_rows)
 
 
 @gluon.jit
@@ -274,9 +290,7 @@ def _attend_tile(state, raw, phase, first_key, hi, q_smem, qpe_smem, p_buf, down
     else:
         lat, s_pe = _scores(codes, 0, rope, scales, q_smem, qpe_smem, H, s_l, PROBE)
     unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
-    s = (lat * down[None, :] + s_pe) * qk_scale
-    s = gl.where((first_key + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)) < hi)[:, None], s, float("-inf"))
-    m_new, alpha, p, l_rows = keys_softmax_step(s, m_i, l_rows)
+    m_new, alpha, p, l_rows = _tile_softmax(lat, s_pe, down, qk_scale, first_key, hi, m_i, l_rows, s_l)
     p_buf.store(p.to(gl.float16))
     fence_async_shared()
     o = o * (alpha * (g / unit))[None, :]
@@ -383,29 +397,17 @@ def pair_scales_layout():
 
 
 @gluon.jit
-def _pair_operand(words, scale, a_layout: gl.constexpr):
+def _pair_operand(words, scale, a_layout: gl.constexpr, PROBE: gl.constexpr):
     """A quarter of the group's codes ``words [2 chunks, 16 keys, 32 words]`` times ``scale`` as the
     values' A fragment ``[256 rows, 16 keys]``: row ``64mb + 16w + 8h + g`` is the dim
-    ``128 (2k + (w >> 1)) + 64 (w & 1) + 8g + 2mb + h`` (:func:`_pair_dims`)."""
+    ``128 (2k + (w >> 1)) + 64 (w & 1) + 8g + 2mb + h`` (:func:`_pair_dims`). ``PROBE`` as
+    :func:`_values_operand`'s."""
+    if PROBE == 3:
+        return gl.zeros([256, 16], gl.float16, layout=a_layout)
     b0, b1, b2, b3 = e4m3_words_scaled_f16(words, scale)
     v = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [c', key, word = 16 w1 + 2g + wd, b0, b1]
     v = gl.permute(gl.reshape(v, [2, 16, 2, 8, 2, 2, 2]), (4, 6, 0, 2, 5, 3, 1))  # [wd, b1, c', w1, b0, g, key]
     return gl.convert_layout(gl.reshape(v, [256, 16]), a_layout, assert_trivial=True)
-
-
-@gluon.jit
-def _pair_halves(x):
-    """``x [2, 2n, 32]`` as its keys ``[0, n)`` and ``[n, 2n)``."""
-    n: gl.constexpr = x.shape[1] // 2
-    return gl.split(gl.permute(gl.reshape(x, [2, 2, n, 32]), (0, 2, 3, 1)))
-
-
-@gluon.jit
-def _pair_quarters(x):
-    lo, hi = _pair_halves(x)
-    q0, q1 = _pair_halves(lo)
-    q2, q3 = _pair_halves(hi)
-    return q0, q1, q2, q3
 
 
 @gluon.jit
@@ -426,20 +428,7 @@ def _pair_values(o, pair_rows, scales, p_buf, first_key, hi, inverse, K: gl.cons
     words = gl.where(live[:, :, None], gl.convert_layout(gl.reshape(rows, [2, 64, 32]), codes_l, assert_trivial=True),
                      0)
     factor, words = gl.broadcast(_half2_bits(scale)[:, :, None], words)
-    w0, w1, w2, w3 = _pair_quarters(words)
-    f0, f1, f2, f3 = _pair_quarters(factor)
-    a0 = _pair_operand(w0, f0, a_l)
-    o = warpgroup_mma(a0, p_buf.slice(0, 16), o, is_async=True)
-    a1 = _pair_operand(w1, f1, a_l)
-    o = warpgroup_mma(a1, p_buf.slice(16, 16), o, is_async=True)
-    o, a0 = warpgroup_mma_wait(1, deps=(o, a0))
-    a2 = _pair_operand(w2, f2, a_l)
-    o = warpgroup_mma(a2, p_buf.slice(32, 16), o, is_async=True)
-    o, a1 = warpgroup_mma_wait(1, deps=(o, a1))
-    a3 = _pair_operand(w3, f3, a_l)
-    o = warpgroup_mma(a3, p_buf.slice(48, 16), o, is_async=True)
-    o, a2, a3 = warpgroup_mma_wait(0, deps=(o, a2, a3))
-    return o
+    return _quarter_mmas(o, words, factor, p_buf, _pair_operand, a_l, 0)
 
 
 @gluon.jit
@@ -458,17 +447,8 @@ def _ws_load(codes_desc, scales_desc, rope_desc, slots, tile, n_tiles, raw_codes
     if tile < n_tiles:
         s = tile % WS_STAGES
         mbarrier.wait(raw_free.index(s), ((tile // WS_STAGES) & 1) ^ 1)
-        bar = raw_ready.index(s)
-        mbarrier.expect(bar, BN * (LATENT + 16 + 128))
-        row, box = _dense_tile_slots(slots, tile, 4)
-        for j in gl.static_range(BN // R):
-            first = gl.max(gl.where(box == j, row, 0), axis=0)
-            for c in gl.static_range(4):
-                tma.async_copy_global_to_shared(codes_desc, [first, 32 * c], bar,
-                                                raw_codes.index(4 * s + c).slice(j * R, R))
-            tma.async_copy_global_to_shared(scales_desc, [first, LATENT // 4], bar, raw_scales.index(s).slice(j * R, R))
-            tma.async_copy_global_to_shared(rope_desc, [first, (LATENT + 16) // 2], bar,
-                                            raw_rope.index(s).slice(j * R, R))
+        _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, tile, raw_codes, raw_scales.index(s),
+                         raw_rope.index(s), raw_ready.index(s), BN, R, LATENT, 4, 4 * s)
 
 
 @gluon.jit
@@ -503,9 +483,7 @@ def _ws_scores(Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES,
         lat, s_pe = _scores(raw_codes, 4 * s, raw_rope.index(s), scales, q_smem, qpe_smem, H, s_l, 0)
         first_key = lo + i * BN
         unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
-        sc = (lat * down[None, :] + s_pe) * qk_scale
-        sc = gl.where((first_key + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)) < hi)[:, None], sc, float("-inf"))
-        m_i, alpha, p, l_rows = keys_softmax_step(sc, m_i, l_rows)
+        m_i, alpha, p, l_rows = _tile_softmax(lat, s_pe, down, qk_scale, first_key, hi, m_i, l_rows, s_l)
         factor = alpha * (g / unit)
         g = gl.zeros_like(g) + unit
         _hand_over(p, factor, p_bufs, f_bufs, p_ready, p_free, i % 2, (i // 2) & 1)

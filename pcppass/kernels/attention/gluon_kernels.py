@@ -595,9 +595,10 @@ def _dense_tile_slots(slots, tile, WARPS: gl.constexpr):
 
 @gluon.jit
 def _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, tile, raw_codes, raw_scales, raw_rope, raw_bar,
-                     BN: gl.constexpr, R: gl.constexpr, L: gl.constexpr, WARPS: gl.constexpr):
+                     BN: gl.constexpr, R: gl.constexpr, L: gl.constexpr, WARPS: gl.constexpr, first_chunk=0):
     """TMA copies of key tile ``tile`` into the raw slot, per box of ``R`` keys: its codes (the four
-    128-dim chunks), scales and RoPE values, completing ``raw_bar``. The copy engine writes a row
+    128-dim chunks, into ``raw_codes`` from buffer ``first_chunk`` on), scales and RoPE values,
+    completing ``raw_bar``. The copy engine writes a row
     into shared memory at its offset within 128 bytes in the cache, which ``cp.async`` from 656-byte
     rows into 512-byte rows could not (two wavefronts per line instead of one)."""
     mbarrier.expect(raw_bar, BN * (L + 16 + 128))
@@ -605,7 +606,8 @@ def _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, tile, raw_codes,
     for j in gl.static_range(BN // R):
         first = gl.max(gl.where(box == j, row, 0), axis=0)
         for c in gl.static_range(4):
-            tma.async_copy_global_to_shared(codes_desc, [first, 32 * c], raw_bar, raw_codes.index(c).slice(j * R, R))
+            tma.async_copy_global_to_shared(codes_desc, [first, 32 * c], raw_bar,
+                                            raw_codes.index(first_chunk + c).slice(j * R, R))
         tma.async_copy_global_to_shared(scales_desc, [first, L // 4], raw_bar, raw_scales.slice(j * R, R))
         tma.async_copy_global_to_shared(rope_desc, [first, (L + 16) // 2], raw_bar, raw_rope.slice(j * R, R))
 
