@@ -37,6 +37,7 @@ Gluon kernels (``gluon_kernels.dense_mla_kernel``, what the launcher runs on Hop
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
@@ -362,7 +363,10 @@ def package_variants() -> list:
 
     kernels = [("dense_mla_kernel", launch.dense_mla_gluon),
                ("A operands in registers, dense_mla_regs_kernel", launch.dense_mla_regs),
-               ("A operands in registers, three warp groups, dense_mla_regs_ws_kernel", launch.dense_mla_regs_ws)]
+               ("A operands in registers, three warp groups, dense_mla_regs_ws_kernel", launch.dense_mla_regs_ws),
+               ("scores as fp8 MMAs on the raw codes, dense_mla_fp8_kernel", launch.dense_mla_fp8),
+               ("scores as fp8 MMAs, three raw slots, dense_mla_fp8_kernel",
+                functools.partial(launch.dense_mla_fp8, STAGES=3))]
     return [(f"package Gluon kernel ({name}), {split} keys per split",
              lambda q_lat, q_pe, cache, rows, scale, run=run, split=split: run(q_lat, q_pe, cache, rows, scale, split))
             for name, run in kernels for split in PACKAGE_SPLITS]

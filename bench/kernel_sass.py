@@ -230,6 +230,12 @@ def dense_mla_regs_ws_case(heads: int = 16) -> Launch:
     return intercept(lambda: launch.dense_mla_regs_ws(q_lat, q_pe, cache, step, 0.07), "dense_mla_regs_ws_kernel")
 
 
+def dense_mla_fp8_case(heads: int = 16) -> Launch:
+    """The same launch of :func:`launch.dense_mla_fp8` (the scores as fp8 MMAs on the raw codes)."""
+    q_lat, q_pe, cache, step = mla_inputs(True, heads=heads)
+    return intercept(lambda: launch.dense_mla_fp8(q_lat, q_pe, cache, step, 0.07), "dense_mla_fp8_kernel")
+
+
 CASES: dict[str, Callable[[], Launch]] = {
     "mla_fp8_ds_mla": lambda: mla_case(True),
     "mla_bf16": lambda: mla_case(False),
@@ -239,6 +245,7 @@ CASES: dict[str, Callable[[], Launch]] = {
     "dense_mla_gluon": dense_mla_gluon_case,
     "dense_mla_regs": dense_mla_regs_case,
     "dense_mla_regs_ws": dense_mla_regs_ws_case,
+    "dense_mla_fp8": dense_mla_fp8_case,
 }
 
 

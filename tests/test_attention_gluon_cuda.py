@@ -213,11 +213,12 @@ def test_sparse_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_mat
 # --- dense MLA (every visible position), DeepSeek-V2 widths -------------------------------------
 
 
-@pytest.fixture(params=["ws", "regs", "regs_ws"])
+@pytest.fixture(params=["ws", "regs", "regs_ws", "fp8"])
 def dense_tiles(request):
     """The launch shape of each dense Gluon kernel: the warp-specialised
-    ``gluon_kernels.dense_mla_kernel`` and ``gluon_dense``'s with the MMAs' A operands in registers
-    (``dense_mla_regs_kernel``: one warp group; ``dense_mla_regs_ws_kernel``: three)."""
+    ``gluon_kernels.dense_mla_kernel``, ``gluon_dense``'s with the MMAs' A operands in registers
+    (``dense_mla_regs_kernel``: one warp group; ``dense_mla_regs_ws_kernel``: three) and
+    ``gluon_dense_fp8.dense_mla_fp8_kernel`` (the scores as fp8 MMAs on the raw codes)."""
     from pcppass.kernels.attention import launch
 
     return dataclasses.replace(launch.MLA_FP8_TILES, dense_kernel=request.param)

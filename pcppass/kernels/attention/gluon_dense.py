@@ -441,12 +441,12 @@ def _pair_dims(K: gl.constexpr, o_l: gl.constexpr):
 
 @gluon.jit
 def _ws_load(codes_desc, scales_desc, rope_desc, slots, tile, n_tiles, raw_codes, raw_scales, raw_rope, raw_ready,
-             raw_free, R: gl.constexpr):
-    """TMA copies of tile ``tile`` (when there is one) into its slot, once both values groups are
-    done with the tile that slot held before."""
+             raw_free, R: gl.constexpr, STAGES: gl.constexpr = WS_STAGES):
+    """TMA copies of tile ``tile`` (when there is one) into its slot of ``STAGES``, once both values
+    groups are done with the tile that slot held before."""
     if tile < n_tiles:
-        s = tile % WS_STAGES
-        mbarrier.wait(raw_free.index(s), ((tile // WS_STAGES) & 1) ^ 1)
+        s = tile % STAGES
+        mbarrier.wait(raw_free.index(s), ((tile // STAGES) & 1) ^ 1)
         _dense_load_tile(codes_desc, scales_desc, rope_desc, slots, tile, raw_codes, raw_scales.index(s),
                          raw_rope.index(s), raw_ready.index(s), BN, R, LATENT, 4, 4 * s)
 
@@ -494,20 +494,20 @@ def _ws_scores(Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES,
 @gluon.jit
 def _ws_values(OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, raw_codes,
                raw_scales, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, K: gl.constexpr,
-               GROUP: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr):
+               GROUP: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr, STAGES: gl.constexpr = WS_STAGES):
     """A values warp group: ``kv^T @ p`` over latent chunks ``2K`` and ``2K + 1`` from the raw slots
     (register operands, :func:`_pair_values`) and the scores group's probabilities and factors,
     then those dims of the split's output (normalised into ``OUT`` with one split, else its partial
     output)."""
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
     heads_o: gl.constexpr = gl.SliceLayout(0, o_l)
-    pairs = raw_codes._reinterpret(gl.int32, [2 * WS_STAGES, 2 * BN, 32], RAW_CODES_SL)
+    pairs = raw_codes._reinterpret(gl.int32, [2 * STAGES, 2 * BN, 32], RAW_CODES_SL)
     g = gl.full([H], 1.0, gl.float32, layout=heads_o)
     o = gl.zeros([256, H], gl.float32, layout=o_l)
     for i in range(gl.cdiv(hi - lo, BN)):
-        s = i % WS_STAGES
+        s = i % STAGES
         b = i % 2
-        mbarrier.wait(raw_ready.index(s), (i // WS_STAGES) & 1)
+        mbarrier.wait(raw_ready.index(s), (i // STAGES) & 1)
         mbarrier.wait(p_ready.index(b), (i // 2) & 1)
         scales = raw_scales.index(s)
         first_key = lo + i * BN

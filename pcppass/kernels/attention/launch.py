@@ -88,7 +88,8 @@ class MlaTiles:
     dequant_tile: bool = False  # fp8_ds_mla rows: see triton_kernels.dequantized_latent
     gluon: bool = False  # fp8_ds_mla rows on Hopper: gluon_kernels.{sparse,dense}_mla_kernel (gluon_*_fits)
     dense_kernel: str = "ws"  # with gluon, dense rows: "ws" gluon_kernels.dense_mla_kernel, "regs" / "regs_ws"
-    # gluon_dense.dense_mla_regs_kernel / dense_mla_regs_ws_kernel (A operands in registers; docs/BENCH.md)
+    # gluon_dense.dense_mla_regs_kernel / dense_mla_regs_ws_kernel (A operands in registers), "fp8"
+    # gluon_dense_fp8.dense_mla_fp8_kernel (the scores as fp8 MMAs on the raw codes; docs/BENCH.md)
 
 
 #: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
@@ -114,6 +115,7 @@ MLA_FP8_TRITON_TILES = dataclasses.replace(MLA_FP8_TILES, gluon=False)
 MLA_FP8_WS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="ws")
 MLA_FP8_REGS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="regs")
 MLA_FP8_REGS_WS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="regs_ws")
+MLA_FP8_FP8_SCORES_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="fp8")
 MLA_PREFILL_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, dequant_tile=True, gluon=True)
 #: the same launches with the Triton kernel only (what runs off Hopper)
@@ -424,7 +426,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         raise ValueError(f"mla_attention: launch shape {tiles} stacks a different number of heads")
     span = index.shape[1] if sparse else rows.tables.shape[1] * bs
     if not sparse and tiles.gluon and gluon_dense_fits(q_lat, q_pe, cache, ds_mla, schedule):
-        dense = {"ws": dense_mla_gluon, "regs": dense_mla_regs, "regs_ws": dense_mla_regs_ws}[tiles.dense_kernel]
+        dense = {"ws": dense_mla_gluon, "regs": dense_mla_regs, "regs_ws": dense_mla_regs_ws,
+                 "fp8": dense_mla_fp8}[tiles.dense_kernel]
         return dense(q_lat, q_pe, cache, rows, scale)
     splits, split = _splits(schedule, span, tiles.sparse_split if sparse else MLA_SPLIT)
     out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat.dtype, q_lat.device)
@@ -499,6 +502,15 @@ def dense_mla_regs_ws(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     """:func:`~pcppass.kernels.attention.gluon_dense.dense_mla_regs_ws_kernel` (register operands,
     a scores warp group and two values warp groups) over the same programs -> ``[T, H, 512]``."""
     return _dense_gluon(kernels("gluon_dense").dense_mla_regs_ws_kernel, q_lat, q_pe, cache, rows, scale, split,
+                        shape)
+
+
+def dense_mla_fp8(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
+                  split: int | None = None, **shape) -> torch.Tensor:
+    """:func:`~pcppass.kernels.attention.gluon_dense_fp8.dense_mla_fp8_kernel` (the scores as fp8 MMAs
+    on the raw codes, the values in two register-operand warp groups) over the same programs ->
+    ``[T, H, 512]``. ``shape``: its launch constants for benchmarks (``STAGES``)."""
+    return _dense_gluon(kernels("gluon_dense_fp8").dense_mla_fp8_kernel, q_lat, q_pe, cache, rows, scale, split,
                         shape)
 
 

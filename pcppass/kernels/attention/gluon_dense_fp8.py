@@ -1,0 +1,218 @@
+"""Dense MLA decode over an fp8_ds_mla cache on Hopper with the scores as fp8 MMAs on the raw
+codes: :func:`dense_mla_fp8_kernel`.
+
+DeepSeek-V2's 16 heads per program make dense MLA a bytes kernel, and what bounded the earlier
+Gluon kernels was shared memory: :mod:`gluon_kernels`' dense kernel sends each 64-key tile through
+it five times (the copy, the dequant warps' read, their float16 stores, the scores MMA's A reads, the
+values MMA's A reads; about 2,900 wavefronts per tile); :mod:`gluon_dense`'s register operands halve
+that but leave each warp group a chain of register-operand MMAs to wait for. Here the scores need
+no conversion at all:
+
+* **scores** ``S[key, head] = sum_d code[key, d] scale[key, d // 128] q[head, d]``: the TMA copy of
+  a tile's codes is already an fp8 MMA's A operand (keys as M, each key's 128 codes of a chunk
+  contiguous: K-major, 128-byte swizzled). The query is split once per program into two e4m3
+  parts, ``q 2^k = hi + lo / 16`` (``2^k`` putting the head's largest value in [2^7, 2^8); ``hi``
+  the e4m3 rounding, ``lo`` the rest times 16, rounded again), stacked as the MMA's N (``2H``
+  columns: the heads' ``hi`` then their ``lo``). A bf16 query has 8 significant bits, ``hi`` keeps
+  4 and the rest fits ``lo``'s 4, so the split is exact for every value above 2^-10 of its head's
+  largest (below, ``lo`` rounds at 2^-9: 2^-21 of the largest, where the float16 query of the other
+  kernels rounds at 2^-28). Each 128-dim chunk is one accumulator (four ``m64n32k32`` MMAs, fresh:
+  the tensor core keeps about 14 bits when it adds fp8 products, so every 128 products are
+  promoted, as DeepSeek-V3 does), times the chunk's float32 scale in registers; the RoPE part is a
+  bf16 MMA on the raw slot's RoPE values. Shared-memory reads of the scores: the codes once (32 KB
+  a tile), where the float16 kernels wrote and read 64 KB.
+* **values** ``O^T[d, head] = sum_key kv[key, d] p[key, head]``: :mod:`gluon_dense`'s two values
+  warp groups (dims as M, 256 each; A fragments converted in registers from the raw slot, a
+  code times its scale over the tile's unit in float16; float16 probabilities from the scores
+  group; float32 accumulators).
+
+One program (row, block of 16 heads, split of keys) per SM, three warp groups: the scores group
+(the query, the split's boxes and every TMA copy, ``STAGES - 1`` tiles ahead; the scores and the
+online softmax) and the two values groups, a tile behind, sharing ``STAGES`` raw slots (no float16
+tile anywhere: four slots fit where the float16 kernels held one).
+
+Numerics: the scores are exact products of codes and the query's two e4m3 parts, summed per chunk
+by the tensor core (about 14 bits kept), then in float32; the values as :mod:`gluon_dense`'s.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
+    warpgroup_mma_wait
+
+from pcppass.kernels.attention import gluon_kernels
+from pcppass.kernels.attention.gluon_dense import (WS_VALUES_REGS, _chunk_scales, _tile_softmax, _ws_load,
+                                                   _ws_values, key_scales_layout)
+from pcppass.kernels.attention.gluon_kernels import (RAW_CODES_SL, RAW_ROPE_SL, RAW_SCALES_SL, _dense_box_slots,
+                                                     _dense_tile_unit, _exponent, _hand_over, _two_to, dense_program,
+                                                     dense_split_stats)
+
+#: keys per tile (the MMAs' M and the values' K), heads per program, latent dims
+BN = gl.constexpr(gluon_kernels.DENSE_BN)
+HEADS = gluon_kernels.DENSE_HEADS
+LATENT = gl.constexpr(gluon_kernels.LATENT)
+#: raw slots (tiles in flight beside the one being read)
+FP8_STAGES = 4
+#: the query's largest value per head is put in [2^QUERY_EXPONENT, 2^(QUERY_EXPONENT + 1)): its
+#: e4m3 rounding stays at most 256, under e4m3's largest (448)
+QUERY_EXPONENT = gl.constexpr(7)
+#: ``lo`` is the query's rest after ``hi`` times LO_FACTOR
+LO_FACTOR = gl.constexpr(16.0)
+LO_INVERSE = gl.constexpr(1.0 / 16.0)
+#: the codes of a chunk as the scores MMA's A: 64 keys x 128 e4m3 codes, the raw slot's 128-byte rows
+CODES_FP8_SL = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+
+
+@gluon.jit
+def _query_parts_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q8_smem, qpe_smem,
+                         GROUP: gl.constexpr, H: gl.constexpr, heads_l: gl.constexpr):
+    """The program's ``GROUP`` heads' latent queries, each times the power of two ``2^k`` that puts
+    its largest value in [2^7, 2^8), as two e4m3 parts per 128-dim chunk: ``q8_smem[c]`` rows
+    ``[0, H)`` hold ``hi = e4m3(q 2^k)``, rows ``[H, 2H)`` ``lo = e4m3((q 2^k - hi) 16)`` (zero
+    heads pad to ``H``); the RoPE queries as they are (bf16). Returns ``2^-k`` per head in ``heads_l``."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    qh = gl.arange(0, H, layout=gl.SliceLayout(1, q_l))
+    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_l))
+    rq = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
+    live = (qh < GROUP)[:, None]
+    q_at = Q_LAT + row * stride_qt + (head0 + qh)[:, None] * stride_qh + qd[None, :]
+    amax = gl.max(gl.abs(gl.load(q_at, mask=live, other=0.0).to(gl.float32)), axis=1)
+    for c in gl.static_range(1, 4):
+        amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_at + c * 128, mask=live, other=0.0).to(gl.float32)), axis=1))
+    k = gl.minimum(gl.maximum(QUERY_EXPONENT - _exponent(amax), -126), 126)
+    up = _two_to(k)
+    for c in gl.static_range(4):
+        q = gl.load(q_at + c * 128, mask=live, other=0.0).to(gl.float32) * up[:, None]
+        hi = q.to(gl.float8e4nv)
+        lo = ((q - hi.to(gl.float32)) * LO_FACTOR).to(gl.float8e4nv)
+        q8_smem.index(c).slice(0, H).store(hi)
+        q8_smem.index(c).slice(H, H).store(lo)
+    qpe_smem.store(gl.load(Q_PE + row * stride_pt + (head0 + qh)[:, None] * stride_ph + rq[None, :], mask=live,
+                           other=0.0))
+    fence_async_shared()
+    return gl.convert_layout(_two_to(-k), heads_l)
+
+
+@gluon.jit
+def _query_halves(acc, s_l: gl.constexpr):
+    """A chunk's accumulator ``[64 keys, 2H]`` (the query's ``hi`` columns, then its ``lo``) as
+    ``hi + lo / 16`` ``[64, H]`` in ``s_l`` (column ``H`` is a register bit: no data moves)."""
+    H: gl.constexpr = acc.shape[1] // 2
+    hi, lo = gl.split(gl.permute(gl.reshape(acc, [acc.shape[0], 2, H]), (0, 2, 1)))
+    return gl.convert_layout(hi + lo * LO_INVERSE, s_l, assert_trivial=True)
+
+
+@gluon.jit
+def _fp8_scores(codes8, first, raw_rope, raw_scales, q8_smem, qpe_smem, H: gl.constexpr, s_l: gl.constexpr):
+    """A tile's scores ``[64 keys, H]`` before the query's scaling is undone: each chunk's codes
+    (buffers ``first .. first + 3`` of ``codes8``) against the query's two e4m3 parts, one fresh
+    accumulator per chunk, times the chunk's scales; plus the RoPE part (bf16)."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * H, 32])
+    zero = gl.zeros([64, 2 * H], gl.float32, layout=acc_l)
+    a0 = warpgroup_mma(codes8.index(first + 0), q8_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a1 = warpgroup_mma(codes8.index(first + 1), q8_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a2 = warpgroup_mma(codes8.index(first + 2), q8_smem.index(2).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a3 = warpgroup_mma(codes8.index(first + 3), q8_smem.index(3).permute((1, 0)), zero, use_acc=False, is_async=True)
+    s_pe = warpgroup_mma(raw_rope, qpe_smem.permute((1, 0)), gl.zeros([64, H], gl.float32, layout=s_l),
+                         use_acc=False, is_async=True)
+    c0, c1, c2, c3 = _chunk_scales(raw_scales.load(key_scales_layout()))
+    keys_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    a0, a1, a2, a3, s_pe = warpgroup_mma_wait(0, deps=(a0, a1, a2, a3, s_pe))
+    lat = (_query_halves(a0, s_l) * gl.convert_layout(c0, keys_l, assert_trivial=True)[:, None]
+           + _query_halves(a1, s_l) * gl.convert_layout(c1, keys_l, assert_trivial=True)[:, None]
+           + _query_halves(a2, s_l) * gl.convert_layout(c2, keys_l, assert_trivial=True)[:, None]
+           + _query_halves(a3, s_l) * gl.convert_layout(c3, keys_l, assert_trivial=True)[:, None])
+    return lat, s_pe
+
+
+@gluon.jit
+def _fp8_scores_group(Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES, row, head0, lo, hi, table_row,
+                      qk_scale, num_heads, num_splits, split, stride_qt, stride_qh, stride_pt, stride_ph, q8_smem,
+                      qpe_smem, slots, raw_codes, raw_scales, raw_rope, raw_ready, raw_free, p_bufs, f_bufs, l_buf,
+                      p_ready, p_free, done, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr,
+                      R: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr, STAGES: gl.constexpr):
+    """The scores warp group: the query's parts, the split's boxes and the TMA copies (``STAGES - 1``
+    tiles ahead), then per tile the fp8 scores (:func:`_fp8_scores`), the online softmax, the
+    probabilities and the accumulators' factor for the values groups; at the end the running max
+    and sum."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
+    heads_s: gl.constexpr = gl.SliceLayout(0, s_l)
+    codes8 = raw_codes._reinterpret(gl.float8e4nv, [4 * STAGES, BN, 128], CODES_FP8_SL)
+    down = _query_parts_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q8_smem,
+                                qpe_smem, GROUP, H, heads_s)
+    _dense_box_slots(TABLES, table_row, lo, hi, slots, SPLIT, BLOCK_SIZE, BN, R, 4)
+    n_tiles = gl.cdiv(hi - lo, BN)
+    for t in gl.static_range(STAGES - 1):
+        _ws_load(codes_desc, scales_desc, rope_desc, slots, t, n_tiles, raw_codes, raw_scales, raw_rope, raw_ready,
+                 raw_free, R, STAGES)
+    m_i = gl.full([H], float("-inf"), gl.float32, layout=heads_s)
+    g = gl.full([H], 1.0, gl.float32, layout=heads_s)
+    l_rows = gl.zeros([BN, H], gl.float32, layout=s_l)
+    for i in range(n_tiles):
+        _ws_load(codes_desc, scales_desc, rope_desc, slots, i + STAGES - 1, n_tiles, raw_codes, raw_scales, raw_rope,
+                 raw_ready, raw_free, R, STAGES)
+        s = i % STAGES
+        mbarrier.wait(raw_ready.index(s), (i // STAGES) & 1)
+        scales = raw_scales.index(s)
+        lat, s_pe = _fp8_scores(codes8, 4 * s, raw_rope.index(s), scales, q8_smem, qpe_smem, H, s_l)
+        first_key = lo + i * BN
+        unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
+        m_i, alpha, p, l_rows = _tile_softmax(lat, s_pe, down, qk_scale, first_key, hi, m_i, l_rows, s_l)
+        factor = alpha * (g / unit)
+        g = gl.zeros_like(g) + unit
+        _hand_over(p, factor, p_bufs, f_bufs, p_ready, p_free, i % 2, (i // 2) & 1)
+    dense_split_stats(l_rows, m_i, l_buf, done, PART_ML, row, head0, num_heads, num_splits, split, GROUP, H, DIRECT,
+                      heads_s)
+
+
+@gluon.jit
+def dense_mla_fp8_kernel(
+    Q_LAT, Q_PE, codes_desc, scales_desc, rope_desc, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML,
+    qk_scale, num_splits, num_heads,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_table, stride_ot, stride_oh,
+    BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr, R: gl.constexpr,
+    H: gl.constexpr = HEADS, STAGES: gl.constexpr = FP8_STAGES, VALUES_WARP_REGS: gl.constexpr = WS_VALUES_REGS,
+):
+    """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
+    ``SPLIT`` keys): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's positions up to its
+    own, the rows through :func:`gluon_kernels.dense_descriptors` (boxes of ``R`` rows); the scores
+    as fp8 MMAs on the raw codes, the values in two warp groups. See the module docstring."""
+    row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
+                                                         GROUP)
+    bf16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
+    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q8_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, 2 * H, 128], CODES_FP8_SL)
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], bf16_sl)
+    p_bufs = gl.allocate_shared_memory(gl.float16, [2, BN, H], p_sl)
+    f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
+    l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
+    slots = gl.allocate_shared_memory(gl.int32, [SPLIT // BN, BN // R], plain1)
+    raw_codes = gl.allocate_shared_memory(gl.int32, [4 * STAGES, BN, 32], RAW_CODES_SL)
+    raw_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BN, 4], RAW_SCALES_SL)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 64], RAW_ROPE_SL)
+    raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    raw_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGES):
+        mbarrier.init(raw_ready.index(b), count=1)
+        mbarrier.init(raw_free.index(b), count=2)
+    for b in gl.static_range(2):
+        mbarrier.init(p_ready.index(b), count=1)
+        mbarrier.init(p_free.index(b), count=2)
+    mbarrier.init(done, count=1)
+    gl.warp_specialize([
+        (_fp8_scores_group, (Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES, row, head0, lo, hi,
+                             table_row, qk_scale, num_heads, num_splits, split, stride_qt, stride_qh, stride_pt,
+                             stride_ph, q8_smem, qpe_smem, slots, raw_codes, raw_scales, raw_rope, raw_ready, raw_free,
+                             p_bufs, f_bufs, l_buf, p_ready, p_free, done, BLOCK_SIZE, SPLIT, GROUP, R, H, DIRECT,
+                             STAGES)),
+        (_ws_values, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, raw_codes,
+                      raw_scales, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, 0, GROUP, H,
+                      DIRECT, STAGES)),
+        (_ws_values, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, raw_codes,
+                      raw_scales, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, 1, GROUP, H,
+                      DIRECT, STAGES)),
+    ], [4, 4], [VALUES_WARP_REGS, VALUES_WARP_REGS])
