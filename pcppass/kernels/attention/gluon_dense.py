@@ -494,7 +494,8 @@ def _ws_scores(Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES,
 @gluon.jit
 def _ws_values(OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, raw_codes,
                raw_scales, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, K: gl.constexpr,
-               GROUP: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr, STAGES: gl.constexpr = WS_STAGES):
+               GROUP: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr, STAGES: gl.constexpr = WS_STAGES,
+               NO_VALUES: gl.constexpr = False):
     """A values warp group: ``kv^T @ p`` over latent chunks ``2K`` and ``2K + 1`` from the raw slots
     (register operands, :func:`_pair_values`) and the scores group's probabilities and factors,
     then those dims of the split's output (normalised into ``OUT`` with one split, else its partial
@@ -514,7 +515,8 @@ def _ws_values(OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, st
         unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
         o = o * f_bufs.index(b).load(heads_o)[None, :]
         g = gl.zeros_like(g) + unit
-        o = _pair_values(o, pairs.index(2 * s + K), scales, p_bufs.index(b), first_key, hi, inverse, K, o_l)
+        if not NO_VALUES:  # a probe's stage left out
+            o = _pair_values(o, pairs.index(2 * s + K), scales, p_bufs.index(b), first_key, hi, inverse, K, o_l)
         mbarrier.arrive(p_free.index(b), count=1)
         mbarrier.arrive(raw_free.index(s), count=1)
     heads = gl.arange(0, H, layout=heads_o)

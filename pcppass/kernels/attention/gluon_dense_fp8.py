@@ -130,7 +130,8 @@ def _fp8_scores_group(Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, 
                       qk_scale, num_heads, num_splits, split, stride_qt, stride_qh, stride_pt, stride_ph, q8_smem,
                       qpe_smem, slots, raw_codes, raw_scales, raw_rope, raw_ready, raw_free, p_bufs, f_bufs, l_buf,
                       p_ready, p_free, done, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr,
-                      R: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr, STAGES: gl.constexpr):
+                      R: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr, STAGES: gl.constexpr,
+                      PROBE: gl.constexpr):
     """The scores warp group: the query's parts, the split's boxes and the TMA copies (``STAGES - 1``
     tiles ahead), then per tile the fp8 scores (:func:`_fp8_scores`), the online softmax, the
     probabilities and the accumulators' factor for the values groups; at the end the running max
@@ -154,7 +155,11 @@ def _fp8_scores_group(Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, 
         s = i % STAGES
         mbarrier.wait(raw_ready.index(s), (i // STAGES) & 1)
         scales = raw_scales.index(s)
-        lat, s_pe = _fp8_scores(codes8, 4 * s, raw_rope.index(s), scales, q8_smem, qpe_smem, H, s_l)
+        if PROBE >= 2:  # no scores
+            lat = gl.zeros([BN, H], gl.float32, layout=s_l)
+            s_pe = lat
+        else:
+            lat, s_pe = _fp8_scores(codes8, 4 * s, raw_rope.index(s), scales, q8_smem, qpe_smem, H, s_l)
         first_key = lo + i * BN
         unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
         m_i, alpha, p, l_rows = _tile_softmax(lat, s_pe, down, qk_scale, first_key, hi, m_i, l_rows, s_l)
@@ -172,11 +177,14 @@ def dense_mla_fp8_kernel(
     stride_qt, stride_qh, stride_pt, stride_ph, stride_table, stride_ot, stride_oh,
     BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, DIRECT: gl.constexpr, R: gl.constexpr,
     H: gl.constexpr = HEADS, STAGES: gl.constexpr = FP8_STAGES, VALUES_WARP_REGS: gl.constexpr = WS_VALUES_REGS,
+    PROBE: gl.constexpr = 0,
 ):
     """Dense MLA decode over fp8_ds_mla rows, program (row, block of ``GROUP`` heads, split of
     ``SPLIT`` keys): ``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the row's positions up to its
     own, the rows through :func:`gluon_kernels.dense_descriptors` (boxes of ``R`` rows); the scores
-    as fp8 MMAs on the raw codes, the values in two warp groups. See the module docstring."""
+    as fp8 MMAs on the raw codes, the values in two warp groups. See the module docstring.
+    ``PROBE`` leaves stages out for ``bench/dense_mla_regs_probe.py`` (its output is then wrong):
+    1 the values, 2 the scores' MMAs, 3 both (the copies, the softmax and the hand-overs remain)."""
     row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
                                                          GROUP)
     bf16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -208,11 +216,11 @@ def dense_mla_fp8_kernel(
                              table_row, qk_scale, num_heads, num_splits, split, stride_qt, stride_qh, stride_pt,
                              stride_ph, q8_smem, qpe_smem, slots, raw_codes, raw_scales, raw_rope, raw_ready, raw_free,
                              p_bufs, f_bufs, l_buf, p_ready, p_free, done, BLOCK_SIZE, SPLIT, GROUP, R, H, DIRECT,
-                             STAGES)),
+                             STAGES, PROBE)),
         (_ws_values, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, raw_codes,
                       raw_scales, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, 0, GROUP, H,
-                      DIRECT, STAGES)),
+                      DIRECT, STAGES, PROBE % 2 == 1)),
         (_ws_values, (OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, stride_ot, stride_oh, raw_codes,
                       raw_scales, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, 1, GROUP, H,
-                      DIRECT, STAGES)),
+                      DIRECT, STAGES, PROBE % 2 == 1)),
     ], [4, 4], [VALUES_WARP_REGS, VALUES_WARP_REGS])
