@@ -50,7 +50,8 @@ def measure(rows: int, context: int, splits: list[int], reps: int, kernel: str =
 
 
 def markdown(result: dict) -> str:
-    title = {"regs": "A operands in registers", "fp8": "fp8 scores on the raw codes"}[result["config"].get("kernel", "regs")]
+    titles = {"regs": "A operands in registers", "fp8": "fp8 scores on the raw codes"}
+    title = titles[result["config"].get("kernel", "regs")]
     lines = [f"# Dense fp8_ds_mla MLA, {title}: stages left out",
              "", "| rows | context | keys per split | kernel | µs | % of HBM |", "|---|---|---|---|---|---|"]
     lines += [f"| {e['rows']} | {e['context']} | {e['split']} | {e['kernel']} | {e['us']:.1f} | {e['hbm_pct']} |"

@@ -126,3 +126,23 @@ def test_gluon_dense_mla_regs_ws_kernel_splits_its_warp_groups_without_spills():
     assert len(register_a) == 64 and len(shared_a) == 4, (len(register_a), len(shared_a))
     for op in ("F2FP.F16.E4M3", "HMUL2", "UTMALDG.2D", "SYNCS"):
         assert op in sass, op
+
+
+def test_gluon_dense_mla_fp8_kernel_runs_the_scores_as_fp8_mmas_on_the_raw_codes():
+    """``gluon_dense_fp8.dense_mla_fp8_kernel`` compiles for sm_90: no spills, four raw slots within
+    an SM's shared memory, the values groups at 152 registers and the scores group at 200; a tile's
+    latent scores are 16 e4m3 MMAs reading both operands from shared memory (the TMA-copied codes as
+    A, the query's two e4m3 parts as the 32 columns of B: four 128-dim chunks of four 32-deep
+    steps), its RoPE scores four bf16 MMAs, its values 32 MMAs with A in registers; no latent code is
+    converted for the scores: the e4m3 -> float16 conversions are the values' (each scaled) and the
+    query's 32 ``hi`` parts read back once per program."""
+    stack, shared, regs, sass = gluon_summary("kernel_sass.dense_mla_fp8_case()")
+    assert stack == 0 and shared <= 227 * 1024, (stack, shared)
+    assert {152, 200} <= set(regs), regs
+    fp8_scores = re.findall(r"QGMMA\.64x32x32\.F32\.E4M3\.E4M3 R\d+, gdesc", sass)
+    rope = re.findall(r"HGMMA\.64x16x16\.F32\.BF16 R\d+, gdesc", sass)
+    register_a = re.findall(r"HGMMA\.64x16x16\.F32 R\d+, R\d+, gdesc", sass)
+    assert (len(fp8_scores), len(rope), len(register_a)) == (16, 4, 32), (len(fp8_scores), len(rope), len(register_a))
+    assert sass.count("F2FP.F16.E4M3") == sass.count("HMUL2") + 32, (sass.count("F2FP.F16.E4M3"), sass.count("HMUL2"))
+    for op in ("UTMALDG.2D", "SYNCS"):
+        assert op in sass, op
