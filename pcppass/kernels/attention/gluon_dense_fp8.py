@@ -17,8 +17,8 @@ no conversion at all:
   4 and the rest fits ``lo``'s 4, so the split is exact for every value above 2^-10 of its head's
   largest (below, ``lo`` rounds at 2^-9: 2^-21 of the largest, where the float16 query of the other
   kernels rounds at 2^-28). Each 128-dim chunk is one accumulator (four ``m64n32k32`` MMAs, fresh:
-  the tensor core keeps about 14 bits when it adds fp8 products, so every 128 products are
-  promoted, as DeepSeek-V3 does), times the chunk's float32 scale in registers; the RoPE part is a
+  the tensor core keeps only some 12 bits of a sum of fp8 products, so every 128 products are
+  promoted), times the chunk's float32 scale in registers; the RoPE part is a
   bf16 MMA on the raw slot's RoPE values. Shared-memory reads of the scores: the codes once (32 KB
   a tile), where the float16 kernels wrote and read 64 KB.
 * **values** ``O^T[d, head] = sum_key kv[key, d] p[key, head]``: :mod:`gluon_dense`'s two values
@@ -32,7 +32,16 @@ online softmax) and the two values groups, a tile behind, sharing ``STAGES`` raw
 tile anywhere: four slots fit where the float16 kernels held one).
 
 Numerics: the scores are exact products of codes and the query's two e4m3 parts, summed per chunk
-by the tensor core (about 14 bits kept), then in float32; the values as :mod:`gluon_dense`'s.
+by the tensor core (about 12 bits of the sum kept: 3.1 off a dot product of 9,348 on the H200),
+then in float32; the values as :mod:`gluon_dense`'s. Largest per-head error against the float32
+reference 3.6e-3 to 3.9e-3 in the dense GPU tests, the launcher's kernel's.
+
+Measured on one H200 (docs/BENCH.md): 342 against the launcher's 302 µs at 32 rows, 32k, so it is
+not the launcher's (``MlaTiles.dense_kernel = "fp8"`` selects it). The scores cost 11-23 µs over
+what the copies and the softmax take alone (the launcher's kernel's scores alone took 128 µs); the
+values groups, each converting and scaling 128 codes per thread per tile and waiting for its 16
+MMAs before the next tile's rescale, add 61-75. ``PROBE`` leaves stages out for
+``bench/dense_mla_regs_probe.py --kernel fp8``.
 """
 
 from triton.experimental import gluon
