@@ -534,6 +534,39 @@ def _ws_values(OUT, PART_O, row, head0, lo, hi, num_heads, num_splits, split, st
 
 
 @gluon.jit
+def ws_shared_memory(SPLIT: gl.constexpr, H: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr):
+    """Every shared buffer and mbarrier a scores warp group and two values warp groups share but the
+    latent query's (the RoPE query, the probabilities' and factors' double buffers, the split's
+    boxes, ``STAGES`` raw slots), the mbarriers initialised (a raw slot and a probabilities buffer
+    are freed by both values groups)."""
+    f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
+    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], f16_sl)
+    p_bufs = gl.allocate_shared_memory(gl.float16, [2, BN, H], p_sl)
+    f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
+    l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
+    slots = gl.allocate_shared_memory(gl.int32, [SPLIT // BN, BN // R], plain1)
+    raw_codes = gl.allocate_shared_memory(gl.int32, [4 * STAGES, BN, 32], RAW_CODES_SL)
+    raw_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BN, 4], RAW_SCALES_SL)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 64], RAW_ROPE_SL)
+    raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    raw_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGES):
+        mbarrier.init(raw_ready.index(b), count=1)
+        mbarrier.init(raw_free.index(b), count=2)
+    for b in gl.static_range(2):
+        mbarrier.init(p_ready.index(b), count=1)
+        mbarrier.init(p_free.index(b), count=2)
+    mbarrier.init(done, count=1)
+    return (qpe_smem, p_bufs, f_bufs, l_buf, slots, raw_codes, raw_scales, raw_rope, raw_ready, raw_free, p_ready,
+            p_free, done)
+
+
+@gluon.jit
 def dense_mla_regs_ws_kernel(
     Q_LAT, Q_PE, codes_desc, scales_desc, rope_desc, TABLES, POSITIONS, TOKEN_TO_REQ, IS_PADDING, OUT, PART_O, PART_ML,
     qk_scale, num_splits, num_heads,
@@ -547,29 +580,9 @@ def dense_mla_regs_ws_kernel(
     row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
                                                          GROUP)
     f16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
-    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(gl.float16, [4, H, 128], f16_sl)
-    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], f16_sl)
-    p_bufs = gl.allocate_shared_memory(gl.float16, [2, BN, H], p_sl)
-    f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
-    l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
-    slots = gl.allocate_shared_memory(gl.int32, [SPLIT // BN, BN // R], plain1)
-    raw_codes = gl.allocate_shared_memory(gl.int32, [4 * WS_STAGES, BN, 32], RAW_CODES_SL)
-    raw_scales = gl.allocate_shared_memory(gl.float32, [WS_STAGES, BN, 4], RAW_SCALES_SL)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [WS_STAGES, BN, 64], RAW_ROPE_SL)
-    raw_ready = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
-    raw_free = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(WS_STAGES):
-        mbarrier.init(raw_ready.index(b), count=1)
-        mbarrier.init(raw_free.index(b), count=2)
-    for b in gl.static_range(2):
-        mbarrier.init(p_ready.index(b), count=1)
-        mbarrier.init(p_free.index(b), count=2)
-    mbarrier.init(done, count=1)
+    (qpe_smem, p_bufs, f_bufs, l_buf, slots, raw_codes, raw_scales, raw_rope, raw_ready, raw_free, p_ready, p_free,
+     done) = ws_shared_memory(SPLIT, H, R, WS_STAGES)
     gl.warp_specialize([
         (_ws_scores, (Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES, row, head0, lo, hi, table_row,
                       qk_scale, num_heads, num_splits, split, stride_qt, stride_qh, stride_pt, stride_ph, q_smem,

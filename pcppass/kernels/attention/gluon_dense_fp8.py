@@ -51,10 +51,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from pcppass.kernels.attention import gluon_kernels
 from pcppass.kernels.attention.gluon_dense import (WS_VALUES_REGS, _chunk_scales, _tile_softmax, _ws_load,
-                                                   _ws_values, key_scales_layout)
-from pcppass.kernels.attention.gluon_kernels import (RAW_CODES_SL, RAW_ROPE_SL, RAW_SCALES_SL, _dense_box_slots,
-                                                     _dense_tile_unit, _exponent, _hand_over, _two_to, dense_program,
-                                                     dense_split_stats)
+                                                   _ws_values, key_scales_layout, ws_shared_memory)
+from pcppass.kernels.attention.gluon_kernels import (_dense_box_slots, _dense_tile_unit, _exponent, _hand_over,
+                                                     _two_to, dense_program, dense_split_stats)
 
 #: keys per tile (the MMAs' M and the values' K), heads per program, latent dims
 BN = gl.constexpr(gluon_kernels.DENSE_BN)
@@ -199,30 +198,9 @@ def dense_mla_fp8_kernel(
     1 the values, 2 the scores' MMAs, 3 both (the copies, the softmax and the hand-overs remain)."""
     row, head0, split, lo, hi, table_row = dense_program(POSITIONS, TOKEN_TO_REQ, IS_PADDING, stride_table, SPLIT,
                                                          GROUP)
-    bf16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
-    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q8_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, 2 * H, 128], CODES_FP8_SL)
-    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [H, 64], bf16_sl)
-    p_bufs = gl.allocate_shared_memory(gl.float16, [2, BN, H], p_sl)
-    f_bufs = gl.allocate_shared_memory(gl.float32, [2, H], plain1)
-    l_buf = gl.allocate_shared_memory(gl.float32, [H], plain1)
-    slots = gl.allocate_shared_memory(gl.int32, [SPLIT // BN, BN // R], plain1)
-    raw_codes = gl.allocate_shared_memory(gl.int32, [4 * STAGES, BN, 32], RAW_CODES_SL)
-    raw_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BN, 4], RAW_SCALES_SL)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 64], RAW_ROPE_SL)
-    raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    raw_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(STAGES):
-        mbarrier.init(raw_ready.index(b), count=1)
-        mbarrier.init(raw_free.index(b), count=2)
-    for b in gl.static_range(2):
-        mbarrier.init(p_ready.index(b), count=1)
-        mbarrier.init(p_free.index(b), count=2)
-    mbarrier.init(done, count=1)
+    (qpe_smem, p_bufs, f_bufs, l_buf, slots, raw_codes, raw_scales, raw_rope, raw_ready, raw_free, p_ready, p_free,
+     done) = ws_shared_memory(SPLIT, H, R, STAGES)
     gl.warp_specialize([
         (_fp8_scores_group, (Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES, row, head0, lo, hi,
                              table_row, qk_scale, num_heads, num_splits, split, stride_qt, stride_qh, stride_pt,
