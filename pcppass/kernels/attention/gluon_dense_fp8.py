@@ -46,8 +46,8 @@ MMAs before the next tile's rescale, add 61-75. ``PROBE`` leaves stages out for
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 
 from pcppass.kernels.attention import gluon_kernels
 from pcppass.kernels.attention.gluon_dense import (WS_VALUES_REGS, _chunk_scales, _tile_softmax, _ws_load,
@@ -55,10 +55,9 @@ from pcppass.kernels.attention.gluon_dense import (WS_VALUES_REGS, _chunk_scales
 from pcppass.kernels.attention.gluon_kernels import (_dense_box_slots, _dense_tile_unit, _exponent, _hand_over,
                                                      _two_to, dense_program, dense_split_stats)
 
-#: keys per tile (the MMAs' M and the values' K), heads per program, latent dims
+#: keys per tile (the MMAs' M and the values' K), heads per program
 BN = gl.constexpr(gluon_kernels.DENSE_BN)
 HEADS = gluon_kernels.DENSE_HEADS
-LATENT = gl.constexpr(gluon_kernels.LATENT)
 #: raw slots (tiles in flight beside the one being read)
 FP8_STAGES = 4
 #: the query's largest value per head is put in [2^QUERY_EXPONENT, 2^(QUERY_EXPONENT + 1)): its
