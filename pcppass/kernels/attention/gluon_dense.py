@@ -457,32 +457,45 @@ def _ws_scores(Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, TABLES,
                slots, raw_codes, raw_scales, raw_rope, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free,
                done, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr, R: gl.constexpr,
                H: gl.constexpr, DIRECT: gl.constexpr):
-    """The scores warp group: the query, the split's boxes and the TMA copies (two tiles ahead), then
-    per tile the scores from register operands (:func:`_scores`), the online softmax, the
-    probabilities and the accumulators' factor for the values groups; at the end the running max
-    and sum."""
+    """The scores warp group: the query and the split's boxes, then :func:`ws_scores_tiles` with the
+    scores from register operands (:func:`_scores`, the TMA copies two tiles ahead)."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
-    heads_s: gl.constexpr = gl.SliceLayout(0, s_l)
     down = _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
-                          GROUP, H, heads_s, PERMUTED=True)
+                          GROUP, H, gl.SliceLayout(0, s_l), PERMUTED=True)
     _dense_box_slots(TABLES, table_row, lo, hi, slots, SPLIT, BLOCK_SIZE, BN, R, 4)
+    ws_scores_tiles(_scores, raw_codes, q_smem, qpe_smem, down, PART_ML, codes_desc, scales_desc, rope_desc, row,
+                    head0, lo, hi, qk_scale, num_heads, num_splits, split, slots, raw_codes, raw_scales, raw_rope,
+                    raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, GROUP, R, H, DIRECT, WS_STAGES,
+                    0, s_l)
+
+
+@gluon.jit
+def ws_scores_tiles(scores: gl.constexpr, codes, q_smem, qpe_smem, down, PART_ML, codes_desc, scales_desc, rope_desc,
+                    row, head0, lo, hi, qk_scale, num_heads, num_splits, split, slots, raw_codes, raw_scales,
+                    raw_rope, raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, GROUP: gl.constexpr,
+                    R: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr, STAGES: gl.constexpr,
+                    PROBE: gl.constexpr, s_l: gl.constexpr):
+    """A scores warp group's tiles, once its query is in shared memory (``down`` undoes its
+    scaling): the TMA copies ``STAGES - 1`` tiles ahead, then per tile ``scores(codes, first chunk,
+    RoPE values, scales, q_smem, qpe_smem, H, s_l, PROBE)``, the online softmax, the probabilities
+    and the accumulators' factor for the values groups; at the end the running max and sum."""
+    heads_s: gl.constexpr = gl.SliceLayout(0, s_l)
     n_tiles = gl.cdiv(hi - lo, BN)
-    _ws_load(codes_desc, scales_desc, rope_desc, slots, 0, n_tiles, raw_codes, raw_scales, raw_rope, raw_ready,
-             raw_free, R)
-    _ws_load(codes_desc, scales_desc, rope_desc, slots, 1, n_tiles, raw_codes, raw_scales, raw_rope, raw_ready,
-             raw_free, R)
+    for t in gl.static_range(STAGES - 1):
+        _ws_load(codes_desc, scales_desc, rope_desc, slots, t, n_tiles, raw_codes, raw_scales, raw_rope, raw_ready,
+                 raw_free, R, STAGES)
     m_i = gl.full([H], float("-inf"), gl.float32, layout=heads_s)
     g = gl.full([H], 1.0, gl.float32, layout=heads_s)
     l_rows = gl.zeros([BN, H], gl.float32, layout=s_l)
     for i in range(n_tiles):
-        _ws_load(codes_desc, scales_desc, rope_desc, slots, i + 2, n_tiles, raw_codes, raw_scales, raw_rope,
-                 raw_ready, raw_free, R)
-        s = i % WS_STAGES
-        mbarrier.wait(raw_ready.index(s), (i // WS_STAGES) & 1)
-        scales = raw_scales.index(s)
-        lat, s_pe = _scores(raw_codes, 4 * s, raw_rope.index(s), scales, q_smem, qpe_smem, H, s_l, 0)
+        _ws_load(codes_desc, scales_desc, rope_desc, slots, i + STAGES - 1, n_tiles, raw_codes, raw_scales, raw_rope,
+                 raw_ready, raw_free, R, STAGES)
+        s = i % STAGES
+        mbarrier.wait(raw_ready.index(s), (i // STAGES) & 1)
+        tile_scales = raw_scales.index(s)
+        lat, s_pe = scores(codes, 4 * s, raw_rope.index(s), tile_scales, q_smem, qpe_smem, H, s_l, PROBE)
         first_key = lo + i * BN
-        unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
+        unit, inverse = _dense_tile_unit(tile_scales, first_key, hi, BN, 4)
         m_i, alpha, p, l_rows = _tile_softmax(lat, s_pe, down, qk_scale, first_key, hi, m_i, l_rows, s_l)
         factor = alpha * (g / unit)
         g = gl.zeros_like(g) + unit

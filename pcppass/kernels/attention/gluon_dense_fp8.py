@@ -46,14 +46,13 @@ MMAs before the next tile's rescale, add 61-75. ``PROBE`` leaves stages out for
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
 from pcppass.kernels.attention import gluon_kernels
-from pcppass.kernels.attention.gluon_dense import (WS_VALUES_REGS, _chunk_scales, _tile_softmax, _ws_load,
-                                                   _ws_values, key_scales_layout, ws_shared_memory)
-from pcppass.kernels.attention.gluon_kernels import (_dense_box_slots, _dense_tile_unit, _exponent, _hand_over,
-                                                     _two_to, dense_program, dense_split_stats)
+from pcppass.kernels.attention.gluon_dense import (WS_VALUES_REGS, _chunk_scales, _ws_values, key_scales_layout,
+                                                   ws_scores_tiles, ws_shared_memory)
+from pcppass.kernels.attention.gluon_kernels import _dense_box_slots, _exponent, _two_to, dense_program
 
 #: keys per tile (the MMAs' M and the values' K), heads per program
 BN = gl.constexpr(gluon_kernels.DENSE_BN)
@@ -113,10 +112,15 @@ def _query_halves(acc, s_l: gl.constexpr):
 
 
 @gluon.jit
-def _fp8_scores(codes8, first, raw_rope, raw_scales, q8_smem, qpe_smem, H: gl.constexpr, s_l: gl.constexpr):
+def _fp8_scores(codes8, first, raw_rope, raw_scales, q8_smem, qpe_smem, H: gl.constexpr, s_l: gl.constexpr,
+                PROBE: gl.constexpr):
     """A tile's scores ``[64 keys, H]`` before the query's scaling is undone: each chunk's codes
     (buffers ``first .. first + 3`` of ``codes8``) against the query's two e4m3 parts, one fresh
-    accumulator per chunk, times the chunk's scales; plus the RoPE part (bf16)."""
+    accumulator per chunk, times the chunk's scales; plus the RoPE part (bf16). ``PROBE >= 2``:
+    zeros, no MMA."""
+    if PROBE >= 2:
+        zeros = gl.zeros([64, H], gl.float32, layout=s_l)
+        return zeros, zeros
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * H, 32])
     zero = gl.zeros([64, 2 * H], gl.float32, layout=acc_l)
     a0 = warpgroup_mma(codes8.index(first + 0), q8_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -142,42 +146,17 @@ def _fp8_scores_group(Q_LAT, Q_PE, PART_ML, codes_desc, scales_desc, rope_desc, 
                       p_ready, p_free, done, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr,
                       R: gl.constexpr, H: gl.constexpr, DIRECT: gl.constexpr, STAGES: gl.constexpr,
                       PROBE: gl.constexpr):
-    """The scores warp group: the query's parts, the split's boxes and the TMA copies (``STAGES - 1``
-    tiles ahead), then per tile the fp8 scores (:func:`_fp8_scores`), the online softmax, the
-    probabilities and the accumulators' factor for the values groups; at the end the running max
-    and sum."""
+    """The scores warp group: the query's parts and the split's boxes, then
+    :func:`gluon_dense.ws_scores_tiles` with the fp8 scores (:func:`_fp8_scores`) on the raw codes."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
-    heads_s: gl.constexpr = gl.SliceLayout(0, s_l)
     codes8 = raw_codes._reinterpret(gl.float8e4nv, [4 * STAGES, BN, 128], CODES_FP8_SL)
     down = _query_parts_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q8_smem,
-                                qpe_smem, GROUP, H, heads_s)
+                                qpe_smem, GROUP, H, gl.SliceLayout(0, s_l))
     _dense_box_slots(TABLES, table_row, lo, hi, slots, SPLIT, BLOCK_SIZE, BN, R, 4)
-    n_tiles = gl.cdiv(hi - lo, BN)
-    for t in gl.static_range(STAGES - 1):
-        _ws_load(codes_desc, scales_desc, rope_desc, slots, t, n_tiles, raw_codes, raw_scales, raw_rope, raw_ready,
-                 raw_free, R, STAGES)
-    m_i = gl.full([H], float("-inf"), gl.float32, layout=heads_s)
-    g = gl.full([H], 1.0, gl.float32, layout=heads_s)
-    l_rows = gl.zeros([BN, H], gl.float32, layout=s_l)
-    for i in range(n_tiles):
-        _ws_load(codes_desc, scales_desc, rope_desc, slots, i + STAGES - 1, n_tiles, raw_codes, raw_scales, raw_rope,
-                 raw_ready, raw_free, R, STAGES)
-        s = i % STAGES
-        mbarrier.wait(raw_ready.index(s), (i // STAGES) & 1)
-        scales = raw_scales.index(s)
-        if PROBE >= 2:  # no scores
-            lat = gl.zeros([BN, H], gl.float32, layout=s_l)
-            s_pe = lat
-        else:
-            lat, s_pe = _fp8_scores(codes8, 4 * s, raw_rope.index(s), scales, q8_smem, qpe_smem, H, s_l)
-        first_key = lo + i * BN
-        unit, inverse = _dense_tile_unit(scales, first_key, hi, BN, 4)
-        m_i, alpha, p, l_rows = _tile_softmax(lat, s_pe, down, qk_scale, first_key, hi, m_i, l_rows, s_l)
-        factor = alpha * (g / unit)
-        g = gl.zeros_like(g) + unit
-        _hand_over(p, factor, p_bufs, f_bufs, p_ready, p_free, i % 2, (i // 2) & 1)
-    dense_split_stats(l_rows, m_i, l_buf, done, PART_ML, row, head0, num_heads, num_splits, split, GROUP, H, DIRECT,
-                      heads_s)
+    ws_scores_tiles(_fp8_scores, codes8, q8_smem, qpe_smem, down, PART_ML, codes_desc, scales_desc, rope_desc, row,
+                    head0, lo, hi, qk_scale, num_heads, num_splits, split, slots, raw_codes, raw_scales, raw_rope,
+                    raw_ready, raw_free, p_bufs, f_bufs, l_buf, p_ready, p_free, done, GROUP, R, H, DIRECT, STAGES,
+                    PROBE, s_l)
 
 
 @gluon.jit

@@ -115,7 +115,6 @@ MLA_FP8_TRITON_TILES = dataclasses.replace(MLA_FP8_TILES, gluon=False)
 MLA_FP8_WS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="ws")
 MLA_FP8_REGS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="regs")
 MLA_FP8_REGS_WS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="regs_ws")
-MLA_FP8_FP8_SCORES_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="fp8")
 MLA_PREFILL_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, dequant_tile=True, gluon=True)
 #: the same launches with the Triton kernel only (what runs off Hopper)
@@ -509,13 +508,13 @@ def dense_mla_fp8(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                   split: int | None = None, **shape) -> torch.Tensor:
     """:func:`~pcppass.kernels.attention.gluon_dense_fp8.dense_mla_fp8_kernel` (the scores as fp8 MMAs
     on the raw codes, the values in two register-operand warp groups) over the same programs ->
-    ``[T, H, 512]``. ``shape``: its launch constants for benchmarks (``STAGES``)."""
+    ``[T, H, 512]``. ``shape``: its launch constants for benchmarks (``STAGES``, ``PROBE``)."""
     return _dense_gluon(kernels("gluon_dense_fp8").dense_mla_fp8_kernel, q_lat, q_pe, cache, rows, scale, split,
                         shape)
 
 
 def _dense_gluon(kernel, q_lat, q_pe, cache, rows: StepRows, scale: float, split: int | None, shape: dict):
-    """One launch of a dense fp8_ds_mla Gluon kernel (the two above share their arguments)."""
+    """One launch of a dense fp8_ds_mla Gluon kernel (the four above share their arguments)."""
     t, heads, lat = q_lat.shape
     split = split or DENSE_GLUON_SPLIT
     flat = cache.view(torch.uint8).reshape(cache.shape[0], cache.shape[1], -1)
