@@ -11,8 +11,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from pcppass.registry import register_pattern, unregister_pattern
-from pcppass.spec import ByArgValue, BlockSplit, CacheRole, IndexedDim, PagedRows, Recipe, WritePattern
+from pcppass.registry import HandleEffect, register_pattern, register_resolver, unregister_pattern
+from pcppass.spec import (
+    ByArgValue, BlockSplit, CacheRole, ContextCache, IndexedDim, PagedRows, Recipe, Reviewed, WritePattern,
+)
 from pcppass.errors import PcpCoverageError
 from pcppass.checks import SyncChecks
 from pcppass.analysis import audit, find_state_writes
@@ -23,18 +25,22 @@ __all__ = [
     "ByArgValue",
     "BlockSplit",
     "CacheRole",
+    "ContextCache",
     "Engine",
+    "HandleEffect",
     "IndexedDim",
     "PagedRows",
     "PcpBackend",
     "PcpCoverageError",
     "PcpSyncPass",
     "Recipe",
+    "Reviewed",
     "SyncChecks",
     "WritePattern",
     "audit",
     "backend",
     "find_state_writes",
     "register_pattern",
+    "register_resolver",
     "unregister_pattern",
 ]

@@ -92,6 +92,23 @@ ResolveFn = Callable[[str], Mapping[str, "torch.Tensor"]]
 
 
 @dataclass(frozen=True)
+class HandleEffect:
+    """What one op does through one handle, as the engine that owns the handle says.
+
+    ``writes``: the op writes the caches its pattern's ``context`` roles name (then synced), or
+    only reads through the handle. ``why``: the engine's reason, shown by the audit (the layer's
+    attention backend and what it was reviewed to do)."""
+
+    writes: bool
+    why: str
+
+
+#: ``effect(op, handle) -> HandleEffect``: raises (any exception, its text the reason) when the
+#: engine cannot say, e.g. an attention backend nobody reviewed; the write is then uncovered.
+EffectFn = Callable[[str, str], HandleEffect]
+
+
+@dataclass(frozen=True)
 class Resolver:
     """A registered resolver: ``resolve`` at run time, ``describe`` at compile time.
 
@@ -99,11 +116,17 @@ class Resolver:
     dtypes ``resolve`` will return, for an engine whose caches do not exist yet when the graph is
     compiled (vLLM compiles before it allocates its KV cache); the number of blocks may differ.
     Without it, ``resolve`` is called at compile time too.
+
+    ``effect(op, handle)`` says, per handle, whether an op writes or only reads the state behind
+    it (:class:`HandleEffect`): asked at compile time for every handle of an op whose pattern names
+    this resolver. Without it, a pattern's ``context`` roles mean "writes" and its ``reads`` "only
+    reads", and a handle listed in both cannot be decided (uncovered).
     """
 
     name: str
     resolve: ResolveFn
     describe: ResolveFn | None = None
+    effect: EffectFn | None = None
 
     def described(self, handle: str) -> Mapping[str, "torch.Tensor"]:
         return (self.describe or self.resolve)(handle)
@@ -113,15 +136,16 @@ _resolvers: dict[str, Resolver] = {}
 
 
 def register_resolver(name: str, fn: ResolveFn, *, describe: ResolveFn | None = None,
-                      replace: bool = False) -> Resolver:
-    """Register ``fn(handle_value) -> {role: tensor}`` under ``name`` (``WritePattern.resolver``).
+                      effect: EffectFn | None = None, replace: bool = False) -> Resolver:
+    """Register ``fn(handle_value) -> {role: tensor}`` under ``name`` (``WritePattern.resolver``),
+    with the optional compile-time ``describe`` and per-handle ``effect`` (see :class:`Resolver`).
 
     Raises ``ValueError`` if another resolver already has the name, unless ``replace``.
     """
-    resolver = Resolver(name, fn, describe)
+    resolver = Resolver(name, fn, describe, effect)
     with _lock:
         old = _resolvers.get(name)
-        if old is not None and not replace and (old.resolve, old.describe) != (fn, describe):
+        if old is not None and not replace and (old.resolve, old.describe, old.effect) != (fn, describe, effect):
             raise ValueError(f"resolver {name!r} is already registered ({old.resolve!r})")
         _resolvers[name] = resolver
     return resolver

@@ -40,8 +40,69 @@ class Recipe(str, enum.Enum):
     #: whose effect is not a plain row store.
     RERUN = "rerun"
     #: Nothing to reproduce: the op only reads the state its handle addresses (vLLM's attention
-    #: ops take the layer name to fetch the KV cache they read). Declared so the audit can say so.
+    #: ops take the layer name to fetch the KV cache they read), or writes nothing that outlives the
+    #: step through it (a collective's group name). Only a :class:`Reviewed` declaration says so.
     READ_ONLY = "read_only"
+
+
+@dataclass(frozen=True)
+class Reviewed:
+    """Why a pattern may say what an op does through a handle the graph cannot look behind.
+
+    A read-only (write-free) declaration is never an assumption: it names the code that was read
+    (``source``), the test that shows it on the real graph (``evidence``, ``path::test``) and, for an
+    op defined by another package, the releases that code was read in (``package`` as imported,
+    ``versions`` a PEP 440 specifier). With another release installed the pattern no longer
+    applies and the op is reported uncovered until someone reviews it again::
+
+        Reviewed(source="vllm/distributed/communication_op.py: all_reduce returns a new tensor",
+                 evidence="tests/test_vllm_zoo.py::test_moe_and_collectives_on_the_gpu_dispatch",
+                 package="vllm", versions=">=0.32.0,<0.33")
+    """
+
+    source: str
+    evidence: str = field(kw_only=True)
+    package: str | None = field(default=None, kw_only=True)
+    versions: str = field(default="", kw_only=True)
+
+    def __post_init__(self) -> None:
+        _require_name("Reviewed", "source", self.source)
+        if not isinstance(self.evidence, str) or "::" not in self.evidence:
+            raise ValueError(f"Reviewed.evidence must name a test as 'path::test', got {self.evidence!r}")
+        if (self.package is None) != (not self.versions):
+            raise ValueError("Reviewed: give both `package` and `versions` (the releases reviewed), or neither")
+        if self.versions:
+            from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+            try:
+                SpecifierSet(self.versions)
+            except InvalidSpecifier as exc:
+                raise ValueError(f"Reviewed.versions {self.versions!r} is not a PEP 440 specifier") from exc
+
+    def installed_version(self) -> str | None:
+        """The installed release of ``package`` (None when it is not installed)."""
+        from importlib import metadata
+
+        if self.package is None:
+            return None
+        for dist in metadata.packages_distributions().get(self.package, [self.package]):
+            try:
+                return metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    def stale(self) -> str | None:
+        """Why the declaration does not apply to what is installed; None when it does."""
+        if self.package is None:
+            return None
+        from packaging.specifiers import SpecifierSet
+
+        installed = self.installed_version()
+        if installed is not None and SpecifierSet(self.versions).contains(installed, prereleases=True):
+            return None
+        return (f"reviewed for {self.package}{self.versions} ({self.source}); installed: "
+                f"{installed or 'none'}: review the op again for this release")
 
 
 #: The resolved layout kinds the replica sync can copy (:mod:`pcppass.kernels.rows`).
@@ -289,9 +350,21 @@ def _context_roles(pattern: "WritePattern") -> tuple[ContextCache, ...]:
     return tuple(context)
 
 
-def _check_context(name: str, recipe: "Recipe", caches, context, resolver, reads, row_args) -> None:
-    """A context-addressed pattern names its resolver and copies rows; a read-only one reads."""
+def _check_context(name: str, recipe: "Recipe", caches, context, resolver, reads, row_args,
+                   reviewed) -> None:
+    """A context-addressed pattern names its resolver and copies rows; a read-only one reads.
+
+    A handle both in ``reads`` and among the ``context`` roles is decided per handle by the
+    resolver (:func:`pcppass.registry.register_resolver`'s ``effect``): vLLM's attention op writes
+    the KV cache on some backends and only reads it on others. Every read declaration is
+    :class:`Reviewed`."""
     where = f"WritePattern {name!r}"
+    if reads and not isinstance(reviewed, Reviewed):
+        raise ValueError(f"{where}: declaring that an op only reads through {', '.join(reads)} needs "
+                         f"reviewed=Reviewed(source=..., evidence=...): what was read, and the test "
+                         f"that shows it on the real graph")
+    if reviewed is not None and not isinstance(reviewed, Reviewed):
+        raise TypeError(f"{where}: reviewed must be a Reviewed, got {reviewed!r}")
     if context:
         _require_name(where, "resolver", resolver)
         if recipe is not Recipe.COPY_ROWS:
@@ -300,11 +373,16 @@ def _check_context(name: str, recipe: "Recipe", caches, context, resolver, reads
         if not row_args:
             raise ValueError(f"{where}: list a per-row input in row_args (it sizes the rows of "
                              f"each context cache)")
-    elif resolver is not None:
-        raise ValueError(f"{where}: resolver {resolver!r} given but no context cache")
-    if (recipe is Recipe.READ_ONLY) != bool(reads) or (reads and (caches or context)):
+    elif resolver is not None and recipe is not Recipe.READ_ONLY:
+        raise ValueError(f"{where}: resolver {resolver!r} given but no context cache (a read-only "
+                         f"pattern may name one: its `effect` then confirms the read per handle)")
+    if recipe is Recipe.READ_ONLY and (not reads or caches or context):
         raise ValueError(f"{where}: a read-only pattern (recipe READ_ONLY) names the handles it "
                          f"reads in `reads` and writes no cache")
+    decided = {c.handle for c in context} & set(reads)
+    if reads and recipe is not Recipe.READ_ONLY and (caches or set(reads) - decided):
+        raise ValueError(f"{where}: a pattern that writes caches declares reads only for handles its "
+                         f"resolver decides per handle (listed in both `reads` and `context`)")
 
 
 @dataclass(frozen=True)
@@ -329,8 +407,12 @@ class WritePattern:
     #: name of the registered resolver (:func:`pcppass.registry.register_resolver`) that maps a
     #: handle's value to the tensors of ``context``; a handle with no registered resolver is uncovered
     resolver: str | None = field(default=None, kw_only=True)
-    #: handle arguments the op only reads (with ``recipe=Recipe.READ_ONLY``, no caches)
+    #: handle arguments the op only reads (with ``recipe=Recipe.READ_ONLY``, no caches), or that
+    #: its resolver decides per handle (also listed in ``context``)
     reads: tuple[str, ...] = field(default=(), kw_only=True)
+    #: the review behind what the pattern says of an op it does not own (required with ``reads``);
+    #: with a package and versions, the pattern applies only to those releases
+    reviewed: Reviewed | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         _require_name("WritePattern", "name", self.name)
@@ -368,7 +450,8 @@ class WritePattern:
             if missing:
                 raise ValueError(f"WritePattern {self.name!r}: a re-run gathers its slot mappings: "
                                  f"list {missing} in row_args")
-        _check_context(self.name, recipe, caches, context, self.resolver, reads, self.row_args)
+        _check_context(self.name, recipe, caches, context, self.resolver, reads, self.row_args,
+                       self.reviewed)
         object.__setattr__(self, "ops", ops)
         object.__setattr__(self, "caches", tuple(caches))
         object.__setattr__(self, "recipe", recipe)
@@ -380,6 +463,10 @@ class WritePattern:
         names = [a for c in self.caches for a in c.arguments()] + list(self.row_args)
         names += [a for c in self.context for a in c.arguments()] + list(self.reads)
         return tuple(dict.fromkeys(names))
+
+    def decided_per_handle(self, handle_arg: str) -> bool:
+        """Whether the resolver decides, per handle, if the op writes or only reads through it."""
+        return handle_arg in self.reads and bool(self.context_roles(handle_arg))
 
     def context_roles(self, handle_arg: str) -> tuple[ContextCache, ...]:
         """The context caches addressed through the handle argument ``handle_arg``."""
@@ -406,6 +493,8 @@ class WritePattern:
             ]
             payload["resolver"] = self.resolver
             payload["reads"] = list(self.reads)
+        if self.reviewed is not None:
+            payload["reviewed"] = repr(self.reviewed)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

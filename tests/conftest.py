@@ -27,3 +27,21 @@ def vllm_reference_tokens(vllm_model_dirs):
 
     procs = {name: start_worker("generate", path, backend="default") for name, path in vllm_model_dirs.items()}
     return {name: finish_worker(proc)["tokens"] for name, proc in procs.items()}
+
+
+@pytest.fixture(scope="session")
+def vllm_moe_dirs(tmp_path_factory):
+    """Tiny random MoE models (Qwen3-MoE, Mixtral, DeepSeek-V2 with MoE everywhere): {name: dir}."""
+    from vllm_cases import MOE_BUILDERS
+
+    root = tmp_path_factory.mktemp("vllm_moe_models")
+    return {name: build(root / name) for name, build in MOE_BUILDERS.items()}
+
+
+@pytest.fixture(scope="session")
+def vllm_moe_reference_tokens(vllm_moe_dirs):
+    """vLLM's own ``LLM.generate`` on the MoE models (its default compile, its CPU MoE path)."""
+    from vllm_cases import finish_worker, start_worker
+
+    procs = {name: start_worker("generate", path, backend="default") for name, path in vllm_moe_dirs.items()}
+    return {name: finish_worker(proc)["tokens"] for name, proc in procs.items()}

@@ -26,8 +26,8 @@ import pcppass.kernels  # noqa: F401  (registers the pcppass ops)
 from pcppass.analysis import Uncovered, find_state_writes
 from pcppass.analysis.dynamic import dynamic_audit
 from pcppass.analysis.trace import StepInputs, capture_graph
-from pcppass.registry import register_pattern
-from pcppass.spec import CacheRole, PagedRows, WritePattern
+from pcppass.registry import register_pattern, register_resolver
+from pcppass.spec import CacheRole, ContextCache, PagedRows, Reviewed, WritePattern
 
 import audit_fixtures  # noqa: F401  (registers pcppass_test ops)
 from audit_fixtures import graph_with_sparse_state
@@ -462,6 +462,62 @@ class OddlyNamedHandle(torch.nn.Module):
 def oddly_named_string_handle_with_real_output():
     ODD_CONTEXT["rows/0"] = torch.zeros(32, HEADS, DIM)
     return OddlyNamedHandle(), _inputs({})
+
+
+@torch.library.custom_op("pcppass_cat::store_rows_old", mutates_args=("cache",))
+def store_rows_old(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    cache.flatten(0, 1)[slots.long()] = x
+
+
+@store_rows_old.register_fake
+def _(x, cache, slots) -> None:
+    return None
+
+
+# reviewed for releases of its package that are not installed: the pattern no longer applies
+register_pattern(WritePattern(
+    "catalogue.store_rows_old", ops=("pcppass_cat::store_rows_old",),
+    caches=(CacheRole("cache", slots="slots", layout=PagedRows(), values=("x",)),), row_args={"x": 0},
+    reviewed=Reviewed("store_rows_old above", evidence="tests/test_analysis_catalogue.py::x",
+                      package="torch", versions="<1.0"),
+), replace=True)
+
+
+@construct([("kv", Refused(Uncovered.STALE_REVIEW))], kv=_kv)
+def pattern_reviewed_for_another_release(x, s, c):
+    torch.ops.pcppass_cat.store_rows_old(x, c["kv"], s)
+
+
+@torch.library.custom_op("pcppass_cat::attend_named", mutates_args=("out",))
+def attend_named(x: torch.Tensor, layer_name: str, out: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+@attend_named.register_fake
+def _(x, layer_name, out) -> None:
+    return None
+
+
+# writes or only reads, per layer: the resolver must say, and "catalogue" registers no effect
+register_pattern(WritePattern(
+    "catalogue.attend_named", ops=("pcppass_cat::attend_named",), caches=(),
+    context=(ContextCache("layer_name", cache="kv_cache", slots="slot_mapping"),), reads=("layer_name",),
+    resolver="catalogue", row_args={"x": 0},
+    reviewed=Reviewed("attend_named above", evidence="tests/test_analysis_catalogue.py::x"),
+), replace=True)
+register_resolver("catalogue", lambda handle: {}, replace=True)
+
+
+class AttendNamed(torch.nn.Module):
+    def forward(self, x, s, c):
+        out = torch.empty_like(x)
+        torch.ops.pcppass_cat.attend_named(x, "layers.0.attn", out)
+        return out
+
+
+@module_construct([("layers.0.attn", Refused(Uncovered.UNDECIDED_HANDLE))])
+def per_layer_op_nobody_decides():
+    return AttendNamed(), _inputs({})
 
 
 # ----------------------------------------------------------------------------- the walk

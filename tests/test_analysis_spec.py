@@ -13,7 +13,7 @@ from pcppass.analysis import Uncovered, find_state_writes
 from pcppass.analysis.trace import StepInputs, capture_graph
 from pcppass.registry import register_pattern, unregister_pattern
 from pcppass.spec import (
-    BlockSplit, ByArgValue, CacheRole, IndexedDim, PagedRows, Recipe, RowLayout, WritePattern,
+    BlockSplit, ByArgValue, CacheRole, IndexedDim, PagedRows, Recipe, Reviewed, RowLayout, WritePattern,
 )
 
 
@@ -151,6 +151,55 @@ def test_every_builtin_pattern_names_only_arguments_of_its_ops():
                 assert set(pattern.arguments()) <= names, (pattern.name, schema)
                 checked += 1
     assert checked >= 7
+
+
+# ----------------------------------------------------------------------------- reviewed declarations
+
+
+def test_a_read_declaration_needs_a_review():
+    with pytest.raises(ValueError, match="needs reviewed=Reviewed"):
+        WritePattern("p", ops=("a::op",), caches=(), reads=("layer_name",), recipe=Recipe.READ_ONLY)
+    with pytest.raises(ValueError, match="must name a test"):
+        Reviewed("read a.py", evidence="a test")
+    with pytest.raises(ValueError, match="give both `package` and `versions`"):
+        Reviewed("read a.py", evidence="tests/t.py::test_x", package="vllm")
+
+
+def test_a_pattern_reviewed_for_other_releases_no_longer_covers():
+    """A review names the releases it read: with another one installed, the write is uncovered and
+    the message names the installed release."""
+    installed = Reviewed("x", evidence="t.py::t", package="torch", versions=">=2.0").installed_version()
+    role = CacheRole("cache", slots="index", layout=IndexedDim(1))
+    register_pattern(WritePattern(
+        "spec.store_dim1", ops=("pcppass_spec::store_dim1",), caches=(role,), row_args={"src": 1, "index": 0},
+        reviewed=Reviewed("store_dim1 in this file", evidence="tests/test_analysis_spec.py::x",
+                          package="torch", versions="<1.0")), replace=True)
+    try:
+        src, index, cache = torch.randn(2, 3, 16), torch.tensor([4, 9, 1]), torch.zeros(2, 32, 16)
+        (w,) = find_state_writes(capture_graph(StoreDim1(), StepInputs((src, index, cache))))
+    finally:
+        unregister_pattern("spec.store_dim1")
+    assert not w.covered and w.reason is Uncovered.STALE_REVIEW, w
+    assert f"reviewed for torch<1.0 (store_dim1 in this file); installed: {installed}" in w.detail
+    assert installed == torch.__version__.split("+")[0] or installed == torch.__version__
+
+
+def test_every_builtin_review_names_a_test_that_exists():
+    """Every built-in declaration's evidence is a test function in this repository."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    reviewed = [p for p in _builtin_patterns() if p.reviewed is not None]
+    assert {p.name for p in reviewed} >= {"vllm.unified_attention_with_output",
+                                          "vllm.unified_mla_attention_with_output"}
+    for pattern in reviewed:
+        path, _, test = pattern.reviewed.evidence.partition("::")
+        tree = ast.parse((root / path).read_text())
+        names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert test in names, (pattern.name, pattern.reviewed.evidence)
+    # a read-only declaration is never made without one
+    assert all(p.reviewed is not None for p in _builtin_patterns() if p.reads)
 
 
 # ----------------------------------------------------------------------------- bytes per row

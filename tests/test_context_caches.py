@@ -24,7 +24,7 @@ from pcppass.compiler import PcpBackend
 from pcppass.engine.launch import launch
 from pcppass.errors import PcpCoverageError, PcpSyncError
 from pcppass.registry import register_pattern, register_resolver, unregister_resolver
-from pcppass.spec import ContextCache, Recipe, WritePattern
+from pcppass.spec import ContextCache, Recipe, Reviewed, WritePattern
 
 ROWS, WIDTH, BLOCK, BLOCKS = 4, 8, 4, 6
 LAYERS = ("layers.0", "layers.1")
@@ -94,6 +94,8 @@ register_pattern(WritePattern(
 register_pattern(WritePattern(
     name="ctxtest.attend", ops=("ctxtest::attend", "ctxtest::attend_h"), caches=(),
     reads=("layer_name",), recipe=Recipe.READ_ONLY,
+    reviewed=Reviewed("tests/test_context_caches.py: _attend only reads the context cache", evidence=(
+        "tests/test_context_caches.py::test_context_caches_synced_under_every_compiler_and_refused_when_unresolved")),
 ))
 
 
@@ -149,7 +151,7 @@ def _rank_run(rank: int, world: int, inner: str, opaque: bool, schedule: str):
         caches.append({name: CONTEXT[name]["kv"].view(torch.int16).numpy().copy() for name in LAYERS})
     report = backend.reports[-1]
     return outputs, caches, report.mode, report.all_gather_nodes, [
-        (w.op, w.state, w.pattern.recipe.value) for w in report.writes]
+        (w.op, w.state, w.recipe.value) for w in report.writes]
 
 
 def _reference(world: int, opaque: bool, schedule: str):

@@ -7,6 +7,9 @@ layout ``[B, H, N, 2D]`` in every stride order vLLM allocates, the reshape-and-c
 backends hand their kernels. For each: the rows read through the resolver's views at the written
 slots are the written K/V, and copying those rows into a zeroed cache through the same views
 reproduces the kernel's cache bit for bit (nothing outside the rows, nothing missing).
+
+The layout is the backend class's: a class registered over a reviewed one keeps its layout only if
+it keeps the reviewed layout methods.
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ from pcppass.kernels.rows import read_rows, write_rows
 from pcppass.spec import PagedRows
 
 
-def _layer(backend: str, head_size: int, kv_cache_dtype: str = "auto"):
+def _layer(backend: str | type, head_size: int, kv_cache_dtype: str = "auto"):
+    """A stand-in for a vLLM attention layer on ``backend`` (vLLM's class by enum name, or a class)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    cls = AttentionBackendEnum[backend].get_class() if isinstance(backend, str) else backend
     return types.SimpleNamespace(
         head_size=head_size, kv_cache_dtype=kv_cache_dtype, kv_sharing_target_layer_name=None,
-        attn_backend=types.SimpleNamespace(get_name=lambda: backend),
+        attn_backend=cls,
     )
 
 
@@ -75,7 +82,8 @@ def test_cpu_kernel_rows_are_the_resolver_rows(dtype, heads, head_size, block):
     _rows_exact(cache, views, cache, slots, key, value)
 
 
-@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "FLASHINFER"])
+# FLASHINFER (same layout, by its reviewed source) cannot be imported without flashinfer
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN"])
 @pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "LHBNC"])
 def test_gpu_layouts_rows_are_the_resolver_rows(backend, order):
     import pcppass.kernels  # noqa: F401  (pcppass::reshape_and_cache_flash, vLLM's semantics)
@@ -108,9 +116,29 @@ def test_unverified_layouts_are_refused():
         kv_views(_layer("CPU_ATTN", 32), "l", cache, isa="amx")
     with pytest.raises(UnsupportedLayer, match="fp8"):
         kv_views(_layer("CPU_ATTN", 32, "fp8"), "l", cache, isa="vec")
-    with pytest.raises(UnsupportedLayer, match="backend ROCM_ATTN"):
+    with pytest.raises(UnsupportedLayer, match=r"RocmAttentionBackend \(ROCM_ATTN\) was never reviewed"):
         kv_views(_layer("ROCM_ATTN", 32), "l", cache)
     shared = _layer("CPU_ATTN", 32)
     shared.kv_sharing_target_layer_name = "model.layers.0.self_attn.attn"
     with pytest.raises(UnsupportedLayer, match="shares the KV cache"):
         kv_views(shared, "l", cache, isa="vec")
+
+
+def test_layout_follows_the_backend_class_not_its_name():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    class SameLayout(CPUAttentionBackend):  # e.g. registered over CPU_ATTN, storing K/V in forward
+        forward_includes_kv_cache_update = True
+
+    class OtherShape(CPUAttentionBackend):
+        @staticmethod
+        def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+            return (num_blocks, block_size, num_kv_heads, 2 * head_size)
+
+    assert SameLayout.get_name() == OtherShape.get_name() == "CPU_ATTN"
+    cache = torch.zeros(2, 2, 32, 64)
+    same = kv_views(_layer(SameLayout, 32), "l", cache, isa="vec")
+    reference = kv_views(_layer("CPU_ATTN", 32), "l", cache, isa="vec")
+    assert all(same[r].stride() == reference[r].stride() for r in ("key_cache", "value_cache"))
+    with pytest.raises(UnsupportedLayer, match=r"OtherShape overrides get_kv_cache_shape of .*CPUAttentionBackend"):
+        kv_views(_layer(OtherShape, 32), "l", cache, isa="vec")

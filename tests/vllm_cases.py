@@ -63,7 +63,53 @@ def build_deepseek_v2(path: Path) -> Path:
     return path
 
 
+def build_qwen3_moe(path: Path) -> Path:
+    """Qwen3-MoE: 4 experts, top-2, MoE in every layer, no shared expert (``moe_forward``)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=512, max_position_embeddings=256)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def build_mixtral(path: Path) -> Path:
+    """Mixtral: 4 experts, top-2 in every layer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, vocab_size=512,
+        max_position_embeddings=256)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def build_deepseek_v2_moe(path: Path) -> Path:
+    """DeepSeek-V2 with MoE in every layer and a shared expert (``moe_forward_shared``), MLA."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV2Config(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1, vocab_size=512,
+        max_position_embeddings=256, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+        qk_nope_head_dim=32, v_head_dim=32)
+    transformers.DeepseekV2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
 BUILDERS = {"llama": build_llama, "deepseek_v2": build_deepseek_v2}
+#: MoE models (built and referenced by their own fixtures: only the MoE tests pay for them)
+MOE_BUILDERS = {"qwen3_moe": build_qwen3_moe, "mixtral": build_mixtral, "deepseek_v2_moe": build_deepseek_v2_moe}
 
 
 def vllm_env(*, layername: bool = True, **extra: str) -> dict[str, str]:

@@ -2,7 +2,8 @@
 
 ``python tests/vllm_worker.py '{"task": "generate", "model_dir": ..., "backend": "pcppass"}'``
 runs ``vllm.LLM.generate`` on the test prompts (greedy) with vLLM's default compile
-(``"backend": "default"``) or with pcppass's backend for vLLM, and prints one line
+(``"backend": "default"``) or with pcppass's backend for vLLM (``"register"``: modules whose
+``register()`` runs first, e.g. an attention backend override), and prints one line
 ``PCPPASS_RESULT {json}``: the tokens, and with pcppass what its backend found and inserted and
 how many sync collectives each step ran.
 """
@@ -18,7 +19,7 @@ from vllm_cases import MAX_TOKENS, PROMPTS
 def _write_row(w) -> dict:
     return {"op": w.op, "arg": w.arg, "state": w.state, "source": w.source, "covered": w.covered,
             "pattern": w.pattern.name if w.pattern is not None else None,
-            "recipe": w.pattern.recipe.value if w.pattern is not None else None,
+            "recipe": w.recipe.value if w.recipe is not None else None,
             "bytes_per_row": w.bytes_per_row, "reason": w.reason.value if w.reason else None,
             "detail": w.detail}
 
@@ -28,6 +29,10 @@ def generate(options: dict) -> dict:
 
     from pcppass.integrations.vllm.engine_args import cpu_engine_args
 
+    from vllm_sharding import call_hook
+
+    for hook in options.get("register", ()):  # e.g. an attention backend registered over CPU_ATTN
+        call_hook(hook)
     args = cpu_engine_args(options["model_dir"], max_model_len=256)
     result: dict = {}
     if options["backend"] == "pcppass":

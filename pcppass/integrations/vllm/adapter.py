@@ -98,6 +98,16 @@ def load_model(vllm_config: Any) -> nn.Module:
         return get_model(vllm_config=vllm_config)
 
 
+def use_moe_dispatch_op(layer: Any) -> None:
+    """Run an MoE layer through ``vllm::moe_forward`` / ``moe_forward_shared`` (vLLM's dispatch on
+    CUDA, ROCm and XPU) instead of the CPU path that Dynamo traces inline: the graph then holds the
+    op GPU users get, with the same arithmetic inside (``MoERunner._forward_impl``)."""
+    import torch
+
+    op = torch.ops.vllm.moe_forward if layer.shared_experts is None else torch.ops.vllm.moe_forward_shared
+    layer._forward_entry = op
+
+
 @dataclass(frozen=True)
 class _Layer:
     name: str
@@ -110,20 +120,28 @@ class _Layer:
 class VllmModel(nn.Module):
     """A vLLM model under pcppass's model contract (see the module docstring)."""
 
-    def __init__(self, vllm_config: Any, model: nn.Module) -> None:
+    def __init__(self, vllm_config: Any, model: nn.Module, *, moe_dispatch_op: bool = False) -> None:
         super().__init__()
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
         from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layer_kv_cache_shape_bytes
 
         self.vllm_config = vllm_config
         self.model = model
         layers = vllm_config.compilation_config.static_forward_context
         self._layers: list[_Layer] = []
+        #: MoE layers: no cache; they run inside the step (the forward context finds them by name)
+        self.moe_layers: list[str] = []
         for name, module in layers.items():
+            if isinstance(module, MoERunner):
+                self.moe_layers.append(name)
+                if moe_dispatch_op:
+                    use_moe_dispatch_op(module)
+                continue
             if not isinstance(module, (Attention, MLAAttention)):
-                raise PcpError(f"vLLM layer {name} is a {type(module).__name__}: only full attention "
-                               "and MLA layers run under pcppass.engine")
+                raise PcpError(f"vLLM layer {name} is a {type(module).__name__}: only full attention, "
+                               "MLA and MoE layers run under pcppass.engine")
             spec = module.get_kv_cache_spec(vllm_config)
             if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
                 raise PcpError(f"vLLM layer {name}: KV cache spec {type(spec).__name__} is not full attention")

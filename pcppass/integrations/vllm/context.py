@@ -8,19 +8,22 @@ any strides), so the ``PagedRows`` layout of the patterns in ``patterns/vllm_att
 addresses them exactly:
 
 ==================  ==============================================  =============================
-backend             ``layer.kv_cache``                               roles returned
+layout              ``layer.kv_cache``                               roles returned
 ==================  ==============================================  =============================
-``CPU_ATTN``        ``[B, H, N, 2D]``, per (block, head) ``K[D][N]``  ``key_cache``, ``value_cache``
-                    then ``V[N][D]`` (the kernel stores K transposed  ``[B, N, H, D]`` views
+``cpu_attn``        ``[B, H, N, 2D]``, per (block, head) ``K[D][N]``  ``key_cache``, ``value_cache``
+(``CPU_ATTN``)      then ``V[N][D]`` (the kernel stores K transposed  ``[B, N, H, D]`` views
                     for its ``vec``/``vec16`` ISAs)
-``FLASH_ATTN``,     ``[B, H, N, 2D]`` (any stride order): K in        ``key_cache``, ``value_cache``
-``TRITON_ATTN``,    ``[..., :D]``, V in ``[..., D:]``                 ``[B, N, H, D]`` views
-``FLASHINFER``
+``split_head_dim``  ``[B, H, N, 2D]`` (any stride order): K in        ``key_cache``, ``value_cache``
+(``FLASH_ATTN``,    ``[..., :D]``, V in ``[..., D:]``                 ``[B, N, H, D]`` views
+``TRITON_ATTN``,
+``FLASHINFER``)
 MLA backends        ``[B, N, C]`` (``C``: 576 values, or 656 bytes    ``kv_cache``
                     for ``fp8_ds_mla``)
 ==================  ==============================================  =============================
 
-Anything else (other backends or ISAs, quantised per-token-head caches, KV sharing between
+The layout is that of the layer's backend class (:func:`.effects.backend_layout`: a reviewed
+class, or a subclass keeping its layout methods), never read from the name the backend gives
+itself. Anything else (other backends or ISAs, quantised per-token-head caches, KV sharing between
 layers, vLLM's own PCP gather, HiSparse caches) raises :class:`UnsupportedLayer`: the write is
 then reported uncovered instead of being synchronised through a layout nobody checked.
 
@@ -35,16 +38,14 @@ from typing import Any, Mapping
 
 import torch
 
+from pcppass.integrations.vllm.effects import backend_layout
+
 #: the name patterns refer to (``WritePattern(resolver=RESOLVER)``)
 RESOLVER = "vllm"
 
 #: CPU attention ISAs whose K packing (``K[d][o]`` at ``d * N + o`` per block and head) was checked
 #: against the kernel (``tests/test_vllm_context.py``)
 CPU_VERIFIED_ISAS = ("vec", "vec16")
-#: GPU backends whose ``do_kv_cache_update`` splits ``[B, H, N, 2D]`` into K = ``[..., :D]`` and
-#: V = ``[..., D:]`` (vLLM 0.32)
-SPLIT_HEAD_DIM_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
-CPU_BACKEND = "CPU_ATTN"
 #: the block size of the compile-time description (CPU_ATTN takes multiples of 32)
 DESCRIBE_BLOCK = 32
 
@@ -53,7 +54,9 @@ class UnsupportedLayer(ValueError):
     """A layer whose KV cache layout the resolver does not know to be exact."""
 
 
-def _layer(name: str) -> Any:
+def layer_named(name: str) -> Any:
+    """The layer vLLM registered under ``name`` (attention, MoE, state layers), in the current
+    forward context or, while vLLM compiles, its static forward context."""
     from vllm.config import get_current_vllm_config
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
@@ -62,7 +65,7 @@ def _layer(name: str) -> Any:
     else:
         layers = get_current_vllm_config().compilation_config.static_forward_context
     if name not in layers:
-        raise KeyError(f"no vLLM attention layer named {name!r} in the current context")
+        raise KeyError(f"no vLLM layer named {name!r} in the current context")
     return layers[name]
 
 
@@ -81,10 +84,6 @@ def _check_supported(layer: Any, name: str) -> None:
         raise UnsupportedLayer(f"{name} runs vLLM's own PCP gather inside the update op")
 
 
-def _backend_name(layer: Any) -> str:
-    return layer.attn_backend.get_name()
-
-
 def kv_views(layer: Any, name: str, kv_cache: torch.Tensor, *, isa: str | None = None) -> dict[str, torch.Tensor]:
     """The role views of one layer's ``kv_cache`` (see the module docstring)."""
     _check_supported(layer, name)
@@ -98,8 +97,8 @@ def kv_views(layer: Any, name: str, kv_cache: torch.Tensor, *, isa: str | None =
     head = layer.head_size
     if width != 2 * head or getattr(layer, "head_size_v", head) != head:
         raise UnsupportedLayer(f"{name}: K and V of different sizes ({list(kv_cache.shape)})")
-    backend = _backend_name(layer)
-    if backend == CPU_BACKEND:
+    layout = backend_layout(layer.attn_backend)
+    if layout == "cpu_attn":
         if layer.kv_cache_dtype != "auto":
             raise UnsupportedLayer(f"{name}: CPU KV cache dtype {layer.kv_cache_dtype!r} (only 'auto' is verified)")
         if isa not in CPU_VERIFIED_ISAS:
@@ -112,11 +111,8 @@ def kv_views(layer: Any, name: str, kv_cache: torch.Tensor, *, isa: str | None =
             raise UnsupportedLayer(f"{name}: CPU KV cache blocks are not dense ({exc})") from exc
         key = halves[:, :, 0].view(nb, heads, head, block).permute(0, 3, 1, 2)
         value = halves[:, :, 1].view(nb, heads, block, head).permute(0, 2, 1, 3)
-    elif backend in SPLIT_HEAD_DIM_BACKENDS:
+    else:  # split_head_dim
         key, value = kv_cache.transpose(1, 2).split(head, dim=-1)
-    else:
-        raise UnsupportedLayer(f"{name}: attention backend {backend} (known: {CPU_BACKEND}, "
-                               f"{', '.join(SPLIT_HEAD_DIM_BACKENDS)} and MLA)")
     return {"kv_cache": kv_cache, "key_cache": key, "value_cache": value}
 
 
@@ -129,7 +125,7 @@ def resolve(name: str) -> Mapping[str, torch.Tensor]:
     """
     from vllm.forward_context import get_forward_context
 
-    layer = _layer(name)
+    layer = layer_named(name)
     kv_cache = layer.kv_cache
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
         return {}
@@ -149,7 +145,7 @@ def describe(name: str) -> Mapping[str, torch.Tensor]:
     one row reach the compiled layout; the block size used here (:data:`DESCRIBE_BLOCK`, a size
     every backend accepts) is replaced by the real cache's at run time.
     """
-    layer = _layer(name)
+    layer = layer_named(name)
     _check_supported(layer, name)
     if _is_mla(layer):
         from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
@@ -162,7 +158,7 @@ def describe(name: str) -> Mapping[str, torch.Tensor]:
     logical = torch.empty(1, layer.num_kv_heads, DESCRIBE_BLOCK, 2 * layer.head_size, dtype=dtype,
                           device="meta")
     isa = None
-    if _backend_name(layer) == CPU_BACKEND:
+    if backend_layout(layer.attn_backend) == "cpu_attn":
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         # every CPU_ATTN block size is a multiple of 32, so the ISA does not depend on which

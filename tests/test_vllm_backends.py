@@ -1,0 +1,70 @@
+"""Whether vLLM's attention op writes is decided per layer, from the backend vLLM really runs.
+
+An out-of-tree backend registered over ``CPU_ATTN`` with vLLM's ``register_backend``
+(``tests/vllm_kv_in_forward.py``) stores K/V inside ``vllm::unified_attention_with_output``
+(``forward_includes_kv_cache_update = True``) and still calls itself ``CPU_ATTN``. Its graph holds
+no ``unified_kv_cache_update``: the attention op is the only KV write of each layer.
+
+* In a real ``vllm.LLM`` (the pcppass backend for vLLM), the audit reports each layer's attention
+  op as a covered write (COPY_ROWS, one token's K and V bytes), and the tokens equal vLLM's.
+* Sharded at P=2 under the adapter, with requests finishing on different steps (rows change
+  owner): replicas bitwise identical after every step, tokens equal ``LLM.generate``.
+* Negative control: with the attention op declared read-only whatever the backend (what pcppass
+  said before), the same run passes the coverage check and the replicas diverge at a layer's KV
+  cache: the silent miss this decision closes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pcppass.engine.launch import launch
+from vllm_cases import VLLM_ENV, finish_worker, start_worker
+from vllm_sharding import ShardedCase, check_sharded, first_divergence, run_cases
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+#: one token's K and V: 2 KV heads x 32 x fp32, twice
+ROW_BYTES = 2 * 2 * 32 * 4
+BACKEND = "vllm_kv_in_forward"
+
+
+def _as_read_only_whatever_the_backend() -> None:
+    """The declaration pcppass made before: the attention op only reads, for every backend."""
+    from pcppass.registry import register_pattern
+    from pcppass.spec import Recipe, Reviewed, WritePattern
+
+    register_pattern(WritePattern(
+        name="vllm.unified_attention_with_output", ops=("vllm::unified_attention_with_output",),
+        caches=(), reads=("layer_name",), recipe=Recipe.READ_ONLY,
+        reviewed=Reviewed("assumed", evidence="tests/test_vllm_backends.py::negative_control")), replace=True)
+
+
+@pytest.mark.timeout(900)
+def test_backend_storing_kv_in_forward_is_covered_and_sharded(vllm_model_dirs, vllm_reference_tokens, monkeypatch):
+    llm = start_worker("generate", vllm_model_dirs["llama"], backend="pcppass", register=[BACKEND], timeout_s=600)
+    for key, value in VLLM_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("VLLM_USE_LAYERNAME", "1")
+    cases = [ShardedCase("llama", inner="aot_eager", register=(BACKEND,)),
+             ShardedCase("llama", register=(BACKEND, "test_vllm_backends:_as_read_only_whatever_the_backend"))]
+    dirs = {"llama": str(vllm_model_dirs["llama"])}
+    per_rank = launch(run_cases, 2, dirs, cases, timeout_s=860)
+
+    result = finish_worker(llm)
+    assert "error" not in result, result
+    writes = result["writes"]
+    assert not [w for w in writes if w["op"] == "vllm::unified_kv_cache_update"], writes
+    kv = [w for w in writes if w["recipe"] == "copy_rows"]
+    assert [(w["op"], w["state"], w["bytes_per_row"]) for w in kv] == [
+        ("vllm::unified_attention_with_output", name, ROW_BYTES) for name in LAYERS], writes
+    assert all(w["covered"] for w in writes) and len(writes) == len(kv), writes
+    assert "stores K and V inside the attention op" in kv[0]["detail"], kv[0]
+    assert result["tokens"] == vllm_reference_tokens["llama"]
+
+    check_sharded("llama, K/V stored in forward, P=2", [per_rank[r][0] for r in range(2)],
+                  vllm_reference_tokens["llama"])
+    old = [per_rank[r][1] for r in range(2)]
+    assert all("error" not in r for r in old), old
+    where = first_divergence(old)
+    assert where is not None, "the attention op's K/V writes went unsynced and nothing diverged"
+    assert where[1] in LAYERS, where
