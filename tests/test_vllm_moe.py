@@ -1,0 +1,85 @@
+"""vLLM's MoE models decode-sharded, on the dispatch vLLM uses on GPUs, and vLLM's collectives.
+
+On CUDA, ROCm and XPU vLLM runs every MoE layer through ``vllm::moe_forward`` (or
+``moe_forward_shared`` with a shared expert), an op that fetches the layer by name; on the CPU it
+traces the MoE inline. Here the GPU dispatch is selected on the CPU (the same op, the same
+``MoERunner._forward_impl`` inside: :func:`pcppass.integrations.vllm.adapter.use_moe_dispatch_op`),
+so the graph pcppass rewrites holds the op GPU users get.
+
+* Qwen3-MoE (``moe_forward``) and DeepSeek-V2 with MoE in every layer and a shared expert (MLA,
+  ``moe_forward_shared``) on the GPU dispatch, Mixtral on the CPU path, sharded at P=2, Qwen3-MoE
+  at P=4, requests finishing on different steps: replicas bitwise identical after every step,
+  tokens equal to vLLM's own ``LLM.generate``, one collective per decode step; every MoE op is
+  declared read-only by the reviewed declaration (with the resolver's per-layer reason).
+* A layer that records EPLB expert loads is refused by name.
+* vLLM's collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``) on a real graph: read
+  only through their group name, nothing uncovered.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcppass.engine.launch import launch
+from vllm_cases import VLLM_ENV
+from vllm_sharding import ShardedCase, check_sharded, run_cases
+
+MOE_OPS = {"qwen3_moe": "vllm::moe_forward", "deepseek_v2_moe": "vllm::moe_forward_shared"}
+
+
+def _moe_records(result: dict, op: str) -> list[tuple]:
+    return [w for w in result["writes"] if w[0] == op]
+
+
+@pytest.mark.timeout(1500)
+def test_moe_models_sharded_on_vllms_gpu_dispatch(vllm_moe_dirs, vllm_moe_reference_tokens, monkeypatch):
+    for key, value in VLLM_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("VLLM_USE_LAYERNAME", "1")
+    dirs = {m: str(p) for m, p in vllm_moe_dirs.items()}
+    cases = [ShardedCase("qwen3_moe", moe_dispatch_op=True), ShardedCase("deepseek_v2_moe", moe_dispatch_op=True),
+             ShardedCase("mixtral", inner="aot_eager")]
+    per_rank = launch(run_cases, 2, dirs, cases, timeout_s=1400)
+    for i, case in enumerate(cases):
+        ranks = [per_rank[r][i] for r in range(2)]
+        check_sharded(f"{case.model} P=2", ranks, vllm_moe_reference_tokens[case.model])
+        if case.moe_dispatch_op:
+            records = _moe_records(ranks[0], MOE_OPS[case.model])
+            layers = [f"model.layers.{n}.mlp.experts" for n in range(2)]
+            assert [(w[1], w[2]) for w in records] == [(name, "read_only") for name in layers], ranks[0]["writes"]
+    per_rank = launch(run_cases, 4, dirs, cases[:1], timeout_s=1400)
+    check_sharded("qwen3_moe P=4", [per_rank[r][0] for r in range(4)], vllm_moe_reference_tokens["qwen3_moe"])
+
+
+def test_an_moe_layer_recording_expert_loads_is_refused():
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    from pcppass.integrations.vllm.context import UnsupportedLayer
+    from pcppass.integrations.vllm.effects import moe_effect
+
+    layer = object.__new__(MoERunner)  # the checks read only the router and the routed experts
+    torch.nn.Module.__init__(layer)
+    layer.router = type("Router", (), {"eplb_state": None, "_routing_replay_out": None, "capture_fn": None})()
+    layer.routed_experts = type("Experts", (), {"routing_sink": None})()
+    assert not moe_effect(layer, "model.layers.0.mlp.experts").writes
+    layer.router.eplb_state = object()
+    with pytest.raises(UnsupportedLayer, match=r"model.layers.0.mlp.experts records expert load statistics \(EPLB\)"):
+        moe_effect(layer, "model.layers.0.mlp.experts")
+
+
+def test_vllm_collectives_are_declared_write_free():
+    import vllm.distributed.parallel_state  # noqa: F401  (registers vllm::all_reduce and the others)
+
+    import pcppass.integrations.vllm  # noqa: F401
+    from pcppass.analysis import find_state_writes
+    from pcppass.analysis.trace import StepInputs, capture_graph
+
+    def step(x):
+        y = torch.ops.vllm.all_reduce(x, "tp:0")
+        z = torch.ops.vllm.all_gather(y, 0, 2, "tp:0")
+        return torch.ops.vllm.reduce_scatter(z, 0, 2, "tp:0")
+
+    writes = find_state_writes(capture_graph(step, StepInputs((torch.randn(4, 8),))))
+    assert [(w.op, w.arg, w.state, w.covered, w.recipe.value) for w in writes] == [
+        (f"vllm::{op}", "group_name", "tp:0", True, "read_only") for op in ("all_reduce", "all_gather", "reduce_scatter")]
