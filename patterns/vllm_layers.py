@@ -22,11 +22,14 @@ vLLM's collectives take the process group's name, never a piece of state, and re
     all_gather(Tensor tensor, SymInt dim, SymInt world_size, str group_name) -> Tensor
     reduce_scatter(Tensor tensor, SymInt dim, SymInt world_size, str group_name) -> Tensor
 
+``vllm::sparse_attn_indexer`` (DeepSeek-V3.2's indexer off CUDA) is refused by name: it writes the
+indexer K cache without declaring it (see :data:`SPARSE_ATTN_INDEXER`).
+
 Reviewed against vLLM 0.32's source; with another vLLM installed they no longer apply.
 """
 
-from pcppass.registry import register_pattern
-from pcppass.spec import Recipe, Reviewed, WritePattern
+from pcppass.registry import register_pattern, register_refusal
+from pcppass.spec import Recipe, Refusal, Reviewed, WritePattern
 
 #: the vLLM releases these declarations were reviewed in (pcppass.integrations.vllm.effects)
 VLLM_RELEASES = ">=0.32.0,<0.33"
@@ -59,4 +62,18 @@ COLLECTIVES = register_pattern(WritePattern(
         evidence="tests/test_vllm_moe.py::test_vllm_collectives_are_declared_write_free",
         package="vllm", versions=VLLM_RELEASES),
     doc="a collective over the named process group: returns a new tensor, writes no state",
+))
+
+SPARSE_ATTN_INDEXER = register_refusal(Refusal(
+    "vllm.sparse_attn_indexer",
+    ops=("vllm::sparse_attn_indexer",),
+    why=("DeepSeek-V3.2's indexer stores its K rows into the indexer cache it takes as `kv_cache` "
+         "(indexer_k_quant_and_cache at the slot mapping of the layer named by k_cache_prefix) without "
+         "declaring the write; `topk_indices_buffer`, which it declares, is per-step scratch. No pattern "
+         "covers it: vLLM 0.32 runs sparse attention on no CPU platform, so no real graph here backs one"),
+    reviewed=Reviewed(
+        "model_executor/layers/sparse_attn_indexer.py: sparse_attn_indexer (mutates_args "
+        "topk_indices_buffer, candidate_blocks; ops.indexer_k_quant_and_cache(k, kv_cache, ...))",
+        evidence="tests/test_vllm_moe.py::test_sparse_attn_indexer_is_refused_by_name",
+        package="vllm", versions=VLLM_RELEASES),
 ))

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from pcppass.spec import WritePattern
+from pcppass.spec import Refusal, WritePattern
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 _lock = threading.Lock()
 _by_op: dict[str, WritePattern] = {}
 _by_family: dict[str, WritePattern] = {}
+_refusals: dict[str, Refusal] = {}
 _builtins_loaded = False
 
 
@@ -57,6 +58,21 @@ def unregister_pattern(name: str) -> None:
 def pattern_for_op(qualified_name: str) -> WritePattern | None:
     load_builtin_patterns()
     return _by_op.get(qualified_name)
+
+
+def register_refusal(refusal: Refusal) -> Refusal:
+    """Refuse every write of ``refusal.ops`` by name (see :class:`~pcppass.spec.Refusal`)."""
+    with _lock:
+        for op in refusal.ops:
+            if op in _by_op:
+                raise ValueError(f"op {op} is covered by pattern {_by_op[op].name!r}: it cannot also be refused")
+            _refusals[op] = refusal
+    return refusal
+
+
+def refusal_for_op(qualified_name: str) -> Refusal | None:
+    load_builtin_patterns()
+    return _refusals.get(qualified_name)
 
 
 def pattern_for_family(family: str) -> WritePattern | None:

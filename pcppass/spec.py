@@ -498,6 +498,32 @@ class WritePattern:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """An op pcppass knows and refuses by name: it writes state no pattern can cover (yet).
+
+    Every write the analysis finds at a call of one of ``ops`` (a declared mutation, a handle) is
+    reported as one uncovered record naming ``why``: the op's real write, not a buffer it happens to
+    declare. ``reviewed`` says what was read to know it::
+
+        Refusal("vllm.sparse_attn_indexer", ops=("vllm::sparse_attn_indexer",),
+                why="stores the indexer K cache it takes as `kv_cache` without declaring it ...",
+                reviewed=Reviewed(...))
+    """
+
+    name: str
+    ops: tuple[str, ...] = field(kw_only=True)
+    why: str = field(kw_only=True)
+    reviewed: Reviewed = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        _require_name("Refusal", "name", self.name)
+        object.__setattr__(self, "ops", _require_names(f"Refusal {self.name!r}", "ops", self.ops))
+        _require_name(f"Refusal {self.name!r}", "why", self.why)
+        if not isinstance(self.reviewed, Reviewed):
+            raise TypeError(f"Refusal {self.name!r}: reviewed must be a Reviewed, got {self.reviewed!r}")
+
+
 def qualified_op_name(target: object) -> str | None:
     """``torch.ops.ns.op`` / ``torch.ops.ns.op.default`` -> ``"ns::op"``; None for other targets."""
     import torch

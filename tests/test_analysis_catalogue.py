@@ -26,8 +26,8 @@ import pcppass.kernels  # noqa: F401  (registers the pcppass ops)
 from pcppass.analysis import Uncovered, find_state_writes
 from pcppass.analysis.dynamic import dynamic_audit
 from pcppass.analysis.trace import StepInputs, capture_graph
-from pcppass.registry import register_pattern, register_resolver
-from pcppass.spec import CacheRole, ContextCache, PagedRows, Reviewed, WritePattern
+from pcppass.registry import register_pattern, register_refusal, register_resolver
+from pcppass.spec import CacheRole, ContextCache, PagedRows, Refusal, Reviewed, WritePattern
 
 import audit_fixtures  # noqa: F401  (registers pcppass_test ops)
 from audit_fixtures import graph_with_sparse_state
@@ -518,6 +518,38 @@ class AttendNamed(torch.nn.Module):
 @module_construct([("layers.0.attn", Refused(Uncovered.UNDECIDED_HANDLE))])
 def per_layer_op_nobody_decides():
     return AttendNamed(), _inputs({})
+
+
+@torch.library.custom_op("pcppass_cat::index_and_store", mutates_args=("scratch",))
+def index_and_store(x: torch.Tensor, layer_name: str, cache: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    cache.view(-1)[: x.numel()] = x.view(-1)  # the real, undeclared write
+    scratch.fill_(-1)                         # the declared one: scratch of the step
+    return x * 2
+
+
+@index_and_store.register_fake
+def _(x, layer_name, cache, scratch):
+    return torch.empty_like(x)
+
+
+register_refusal(Refusal("catalogue.index_and_store", ops=("pcppass_cat::index_and_store",),
+                         why="writes `cache` without declaring it",
+                         reviewed=Reviewed("index_and_store above", evidence="tests/test_analysis_catalogue.py::x")))
+
+
+class IndexAndStore(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scratch", torch.zeros(8))
+
+    def forward(self, x, s, c):
+        return torch.ops.pcppass_cat.index_and_store(x, "layers.0.indexer", c["kv"], self.scratch)
+
+
+# one record per call, naming the real write: none blaming the declared scratch buffer
+@module_construct([("layers.0.indexer", Refused(Uncovered.REFUSED_OP))])
+def op_refused_by_name():
+    return IndexAndStore(), _inputs({"kv": _kv()})
 
 
 # ----------------------------------------------------------------------------- the walk

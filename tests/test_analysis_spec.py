@@ -13,7 +13,7 @@ from pcppass.analysis import Uncovered, find_state_writes
 from pcppass.analysis.trace import StepInputs, capture_graph
 from pcppass.registry import register_pattern, unregister_pattern
 from pcppass.spec import (
-    BlockSplit, ByArgValue, CacheRole, IndexedDim, PagedRows, Recipe, Reviewed, RowLayout, WritePattern,
+    BlockSplit, ByArgValue, CacheRole, IndexedDim, PagedRows, Recipe, Refusal, Reviewed, RowLayout, WritePattern,
 )
 
 
@@ -190,9 +190,16 @@ def test_every_builtin_review_names_a_test_that_exists():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    reviewed = [p for p in _builtin_patterns() if p.reviewed is not None]
-    assert {p.name for p in reviewed} >= {"vllm.unified_attention_with_output",
-                                          "vllm.unified_mla_attention_with_output"}
+    import importlib
+    import pkgutil
+
+    import pcppass.patterns as pkg
+
+    refusals = [v for info in pkgutil.iter_modules(pkg.__path__)
+                for v in vars(importlib.import_module(f"{pkg.__name__}.{info.name}")).values() if isinstance(v, Refusal)]
+    reviewed = [p for p in _builtin_patterns() if p.reviewed is not None] + refusals
+    assert {p.name for p in reviewed} >= {"vllm.unified_attention_with_output", "vllm.moe_forward",
+                                          "vllm.unified_mla_attention_with_output", "vllm.sparse_attn_indexer"}
     for pattern in reviewed:
         path, _, test = pattern.reviewed.evidence.partition("::")
         tree = ast.parse((root / path).read_text())

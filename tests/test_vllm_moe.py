@@ -83,3 +83,39 @@ def test_vllm_collectives_are_declared_write_free():
     writes = find_state_writes(capture_graph(step, StepInputs((torch.randn(4, 8),))))
     assert [(w.op, w.arg, w.state, w.covered, w.recipe.value) for w in writes] == [
         (f"vllm::{op}", "group_name", "tp:0", True, "read_only") for op in ("all_reduce", "all_gather", "reduce_scatter")]
+
+
+class _Indexer(torch.nn.Module):
+    """DeepSeek-V3.2's indexer call as vLLM makes it: its cache and top-k buffer are state."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("kv_cache", torch.zeros(4, 16 * 132, dtype=torch.uint8))
+        self.register_buffer("topk_indices_buffer", torch.full((8, 2048), -1, dtype=torch.int32))
+
+    def forward(self, hidden, q, k, weights):
+        return torch.ops.vllm.sparse_attn_indexer(
+            hidden, "model.layers.0.self_attn.indexer.k_cache", self.kv_cache, q, None, k, weights, 128,
+            "ue8m0", 2048, 128, 256, 256, self.topk_indices_buffer, False, False, False,
+            "model.layers.0.self_attn.attn")
+
+
+def test_sparse_attn_indexer_is_refused_by_name(monkeypatch):
+    """The real op's graph (a tiny V3.2 does not run on vLLM's CPU platform: 'Sparse Attention is
+    not supported on CPU'): one uncovered record naming the indexer cache write; none blaming the
+    top-k scratch buffer."""
+    monkeypatch.setenv("VLLM_USE_LAYERNAME", "0")
+    import vllm.model_executor.layers.sparse_attn_indexer  # noqa: F401  (registers the op)
+
+    from pcppass.analysis import Uncovered, find_state_writes
+    from pcppass.analysis.trace import StepInputs, capture_graph
+
+    n = 8
+    inputs = (torch.randn(n, 128), torch.zeros(n, 64, 128, dtype=torch.uint8), torch.randn(n, 128),
+              torch.randn(n, 64))
+    writes = find_state_writes(capture_graph(_Indexer(), StepInputs(inputs)))
+    assert [(w.op, w.arg, w.state, w.reason) for w in writes] == [
+        ("vllm::sparse_attn_indexer", "k_cache_prefix", "model.layers.0.self_attn.indexer.k_cache",
+         Uncovered.REFUSED_OP)], writes
+    assert "stores its K rows into the indexer cache" in writes[0].detail
+    assert "topk_indices_buffer" not in (writes[0].state or "")

@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 
 from pcppass.analysis.records import StateWrite, Uncovered
 from pcppass.analysis.views import is_base_flattened_paged, is_plain_tensor, node_value
-from pcppass.registry import HandleEffect, get_resolver, pattern_for_family, pattern_for_op
+from pcppass.registry import HandleEffect, get_resolver, pattern_for_family, pattern_for_op, refusal_for_op
 from pcppass.spec import (
     SYNC_LAYOUT_KINDS, CacheRole, ContextCache, IndexedDim, Recipe, ResolvedLayout, RowLayout, WritePattern,
 )
@@ -462,7 +462,34 @@ def _classify_tensor_write(record: StateWrite) -> StateWrite:
     return record
 
 
-def classify_writes(records: list[StateWrite]) -> list[StateWrite]:
+def _refused_op_records(records: list[StateWrite]) -> list[StateWrite]:
+    """One uncovered record per call of an op refused by name (its first handle record, else its
+    first record), saying why; the call's other records (a scratch buffer it declares written, a
+    second handle) are dropped: they would blame the wrong state."""
+    kept: list[StateWrite] = []
+    seen: dict[torch.fx.Node, StateWrite] = {}
     for record in records:
-        classify_write(record)
+        refusal = refusal_for_op(record.op) if record.family is None else None
+        if refusal is None:
+            kept.append(record)
+            continue
+        first = seen.get(record.node)
+        if first is not None and not (first.state_node is not None and record.state_node is None):
+            continue
+        if first is not None:
+            kept.remove(first)
+        seen[record.node] = record
+        record.pattern, record.layout = None, None
+        _uncovered(record, Uncovered.REFUSED_OP, f"{record.op} at {record.source}: {refusal.why} "
+                   f"(pcppass refuses it by name: {refusal.reviewed.source})")
+        kept.append(record)
+    return kept
+
+
+def classify_writes(records: list[StateWrite]) -> list[StateWrite]:
+    """Classify every record (in place; a call of an op refused by name keeps one record)."""
+    records[:] = _refused_op_records(records)
+    for record in records:
+        if record.reason is not Uncovered.REFUSED_OP:
+            classify_write(record)
     return records

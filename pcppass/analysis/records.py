@@ -50,6 +50,7 @@ class Uncovered(str, enum.Enum):
     UNKNOWN_STORAGE = "written tensor's storage is unknown"
     STALE_REVIEW = "declaration reviewed for another release"
     UNDECIDED_HANDLE = "the engine cannot say what the op does through the handle"
+    REFUSED_OP = "op refused by name"
 
 
 class StateKind(str, enum.Enum):
