@@ -11,7 +11,9 @@ both as context roles and as a read, and the resolver's ``effect`` says which ho
 * on 2 gloo ranks (deferred schedule) the stored rows reach every replica: each cache equals the
   merged cache of both ranks' rows, bitwise;
 * negative control: the same op declared read-only for every layer (no per-handle decision)
-  leaves the replicas different.
+  leaves the replicas different;
+* under the immediate schedule (ranks read each other's rows within the step) an op that stores
+  and reads in one call cannot be synced before its own read: refused at compile time.
 """
 
 from __future__ import annotations
@@ -157,9 +159,25 @@ def _rank_run(rank: int, world: int, inner: str, read_only_for_all: bool) -> lis
     return caches
 
 
+def _rank_immediate(rank: int, world: int) -> tuple[str, str] | None:
+    """The immediate schedule (ranks read each other's rows in the step) on an op that stores and
+    reads in one call: refused at compile time, before anything runs."""
+    _register()
+    torch._dynamo.reset()
+    x, slots = _step_inputs(0, rank, world)
+    _fresh_context(slots)
+    compiled = torch.compile(Model(), backend=PcpBackend(inner="eager", schedule="immediate"), fullgraph=True)
+    try:
+        compiled(x)
+    except Exception as exc:  # noqa: BLE001
+        inner = getattr(exc, "inner_exception", None) or exc
+        return type(inner).__name__, str(inner)
+    return None
+
+
 def _rank_all(rank: int, world: int) -> list:
     return [_rank_run(rank, world, "eager", False), _rank_run(rank, world, "inductor", False),
-            _rank_run(rank, world, "eager", True)]
+            _rank_run(rank, world, "eager", True), _rank_immediate(rank, world)]
 
 
 def _merged(world: int) -> list[dict[str, torch.Tensor]]:
@@ -190,3 +208,6 @@ def test_rows_stored_inside_the_op_reach_every_replica():
     # read-only for every layer: l1's rows stay on their owners
     control = [ranks[rank][2] for rank in range(world)]
     assert not (control[0][0]["l1"] == control[1][0]["l1"]).all(), "unsynced rows did not diverge"
+    for rank in range(world):
+        refused = ranks[rank][3]
+        assert refused is not None and "reads before other ranks' rows can arrive" in refused[1], refused

@@ -580,7 +580,10 @@ def wait_for_context_sync(emit: GraphEmitter, sites: Sequence[SyncSite], transpo
         value = node_value(site.node)
         if not (isinstance(value, torch.Tensor) and value.numel() == 0):
             raise PlanError(f"{site.label}: under the immediate schedule a context-addressed write must "
-                            f"return an empty dependency token its readers wait on")
+                            f"return an empty dependency token its readers wait on; an op that stores and "
+                            f"reads in one call (vLLM's attention op on a backend that stores K/V inside "
+                            f"it) reads before other ranks' rows can arrive: run it on decode-only steps "
+                            f"(schedule='deferred')")
         for user in list(site.node.users):
             if user not in ours:
                 user.replace_input_with(site.node, token)
