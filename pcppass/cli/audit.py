@@ -50,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="audit a tiny config of every architecture family in the zoo and print the table")
     vllm.add_argument("--families", default=None,
                       help="with --zoo: comma-separated family names (default: all)")
+    vllm.add_argument("--jobs", type=int, default=2, help="with --zoo: families audited at a time")
     p.set_defaults(func=run_audit)
 
 

@@ -17,12 +17,12 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -31,7 +31,7 @@ import torch.fx
 from pcppass.analysis.records import StateWrite
 from pcppass.analysis.report import AuditReport
 from pcppass.integrations.vllm.config_dir import (
-    ConfigDirError, Shrink, architectures, has_weights, layer_kinds, read_config, shrink_config,
+    ConfigDirError, Shrink, architectures, has_weights, parsed_layer_kinds, read_config, shrink_config,
     write_config_dir,
 )
 from pcppass.integrations.vllm.engine_args import cpu_engine_args
@@ -148,10 +148,16 @@ def load_error(exc: BaseException, archs: list[str], model_dir: str) -> VllmLoad
     """One line naming the architecture and the cause of vLLM's failure."""
     cause = _root_cause(exc)
     text = " ".join(str(cause).split())
+    text = re.sub(r"^\d+ validation errors? for \w+ (Value error, )?", "", text)  # pydantic's wrapper
     arch = ", ".join(archs) or "no architecture in config.json"
+    unknown_type = re.search(r"has model type `([^`]*)` but Transformers does not recognize", text)
     if "are not supported for now" in text or "Cannot find model module" in text:
-        text = f"vLLM {_vllm_version()} has no implementation of it (not in its model registry)"
-    elif len(text) > 400:
+        return VllmLoadError(f"{arch}: vLLM {_vllm_version()} has no implementation of this architecture "
+                             f"(not in its model registry) ({model_dir})")
+    if unknown_type:
+        return VllmLoadError(f"{arch}: model_type {unknown_type.group(1)!r} is unknown to vLLM "
+                             f"{_vllm_version()} and to transformers ({model_dir})")
+    if len(text) > 400:
         text = text[:400] + " ..."
     return VllmLoadError(f"vLLM could not load {arch} from {model_dir}: {type(cause).__name__}: {text}")
 
@@ -162,13 +168,6 @@ def _vllm_version() -> str:
     return vllm.__version__
 
 
-def _parsed_kinds(model_dir: str | Path) -> list[str]:
-    """The per-layer kinds of the config as vLLM parses it (transformers' derived fields included)."""
-    from vllm.transformers_utils.config import get_config
-
-    return layer_kinds(get_config(str(model_dir), trust_remote_code=False))
-
-
 @contextlib.contextmanager
 def _prepared_dir(model_dir: str, layers: int | None) -> Iterator[tuple[str, Shrink | None]]:
     """The directory vLLM loads: ``model_dir`` itself, or a config-only copy cut to ``layers``."""
@@ -176,11 +175,11 @@ def _prepared_dir(model_dir: str, layers: int | None) -> Iterator[tuple[str, Shr
         yield model_dir, None
         return
     config = read_config(model_dir)
-    kinds = _parsed_kinds(model_dir)
+    kinds = parsed_layer_kinds(model_dir)
     shrunk, shrink = shrink_config(config, layers, kinds)
     with tempfile.TemporaryDirectory(prefix="pcppass-audit-") as tmp:
         write_config_dir(shrunk, tmp)
-        kept = _parsed_kinds(tmp)
+        kept = parsed_layer_kinds(tmp)
         if kept != kinds[: shrink.layers]:
             raise ConfigDirError(f"cutting {model_dir} to {shrink.layers} layers changed its layer kinds: "
                                  f"{kinds[: shrink.layers]} became {kept}")
@@ -256,8 +255,8 @@ def audit_vllm(model_dir: str, *, layers: int | None = None, dtype: str = "float
     if not reports:
         raise VllmAuditError(
             f"vLLM compiled no graph of {model_dir} in this process (VLLM_ENABLE_V1_MULTIPROCESSING="
-            f"{os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING')!r}, compilation mode off, or a "
-            "compile-cache hit)")
+            f"{os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING')!r}, compilation mode off (vLLM's CPU "
+            "platform turns it off when LoRA is enabled), or a compile-cache hit)")
     writes = [w for report in reports for w in report.writes]
     report = AuditReport(target=model_dir, writes=writes, graph=reports[0].graph)
     return VllmAudit(report=report, model_dir=model_dir, architectures=archs,
@@ -310,10 +309,10 @@ def run_audit_cli(args: argparse.Namespace) -> int:
         with contextlib.redirect_stdout(sys.stderr):
             audit = audit_vllm(args.model, layers=args.layers, dtype=args.dtype, moe_dispatch=args.moe_dispatch)
     except (ConfigDirError, VllmLoadError, VllmAuditError) as exc:
-        err.print(f"pcppass audit --vllm: {exc}", markup=False)
+        err.print(f"pcppass audit --vllm: {exc}", markup=False, soft_wrap=True)
         return EXIT_ERROR
     except Exception as exc:  # noqa: BLE001 - anything else vLLM raised: still one line
-        err.print(f"pcppass audit --vllm: {load_error(exc, [], args.model)}", markup=False)
+        err.print(f"pcppass audit --vllm: {load_error(exc, [], args.model)}", markup=False, soft_wrap=True)
         return EXIT_ERROR
     if args.json:
         print(json.dumps(audit.to_dict(), indent=2))

@@ -103,8 +103,10 @@ def _mixer(text: Any, i: int) -> str:
             kind = str(types[i])
             break
     else:
-        kinds = _get(text, "attn_type_list")
-        kind = ("linear_attention" if kinds[i] == 0 else "attention") if isinstance(kinds, (list, tuple)) else "attention"
+        kinds = _get(text, "attn_type_list")  # MiniMax: 0 linear, 1 softmax attention
+        kind = "attention"
+        if isinstance(kinds, (list, tuple)) and kinds[i] == 0:
+            kind = "linear_attention"
     nope = _get(text, "no_rope_layers")
     if isinstance(nope, (list, tuple)) and len(nope) > i and nope[i] == 0:
         kind += " (no rope)"
@@ -158,6 +160,13 @@ def layer_kinds(config: Any) -> list[str]:
     return kinds
 
 
+def parsed_layer_kinds(model_dir: str | Path) -> list[str]:
+    """:func:`layer_kinds` of the config as vLLM parses it (fields transformers derives included)."""
+    from vllm.transformers_utils.config import get_config
+
+    return layer_kinds(get_config(str(model_dir), trust_remote_code=False))
+
+
 def minimal_prefix(kinds: list[str]) -> int:
     """The shortest prefix holding one layer of every kind."""
     seen: set[str] = set()
@@ -198,20 +207,17 @@ class Shrink:
 
 def _shrink_text(text: dict[str, Any], full: int, keep: int) -> list[str]:
     """Cut one (text) config dict to its first ``keep`` layers in place; the keys changed."""
-    changed = []
+    before = dict(text)
     for key in DEPTH_KEYS:
         if isinstance(text.get(key), int):
             text[key] = keep
-            changed.append(key)
-    for key, value in list(text.items()):
+    for key, value in before.items():
         if key in INDEX_KEYS and isinstance(value, list):
             text[key] = [i for i in value if isinstance(i, int) and i < keep]
-            changed.append(key)
         elif key in PER_LAYER_KEYS + PER_LAYER_WIDTH_KEYS and isinstance(value, (list, str)) \
                 and len(value) == full:
             text[key] = value[:keep]
-            changed.append(key)
-    return changed
+    return [key for key in text if text[key] != before.get(key)]
 
 
 def shrink_config(config: dict[str, Any], layers: int,

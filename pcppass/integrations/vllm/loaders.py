@@ -80,13 +80,14 @@ def force_moe_op_dispatch(model: nn.Module) -> int:
     return count
 
 
-def _split_options(load_config: Any) -> tuple[Any, str]:
-    """The load config without this module's keys (vLLM's loaders check theirs), and the dispatch."""
+def _split_options(load_config: Any, **changes: Any) -> tuple[Any, str]:
+    """The load config without this module's keys (vLLM's loaders check theirs) and with
+    ``changes``, and the dispatch."""
     extra = dict(load_config.model_loader_extra_config or {})
     dispatch = extra.pop(MOE_DISPATCH, "auto")
     if dispatch not in MOE_DISPATCHES:
         raise ValueError(f"{MOE_DISPATCH} must be one of {', '.join(MOE_DISPATCHES)}, got {dispatch!r}")
-    return dataclasses.replace(load_config, model_loader_extra_config=extra), dispatch
+    return dataclasses.replace(load_config, model_loader_extra_config=extra, **changes), dispatch
 
 
 def _after_load(model: nn.Module, dispatch: str) -> nn.Module:
@@ -135,7 +136,8 @@ def register_loaders() -> None:
         """vLLM's default loader, with :data:`MOE_DISPATCH` applied after loading."""
 
         def __init__(self, load_config: Any) -> None:
-            load_config, self.moe_dispatch = _split_options(load_config)
+            # the default loader picks the weight files by its own format names
+            load_config, self.moe_dispatch = _split_options(load_config, load_format="auto")
             super().__init__(load_config)
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
