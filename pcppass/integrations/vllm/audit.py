@@ -175,7 +175,10 @@ def _prepared_dir(model_dir: str, layers: int | None) -> Iterator[tuple[str, Shr
         yield model_dir, None
         return
     config = read_config(model_dir)
-    kinds = parsed_layer_kinds(model_dir)
+    try:
+        kinds = parsed_layer_kinds(model_dir)
+    except Exception as exc:  # noqa: BLE001 - vLLM or transformers cannot parse it: one line
+        raise load_error(exc, architectures(config), model_dir) from exc
     shrunk, shrink = shrink_config(config, layers, kinds)
     with tempfile.TemporaryDirectory(prefix="pcppass-audit-") as tmp:
         write_config_dir(shrunk, tmp)
@@ -201,7 +204,10 @@ def layer_state(module: Any, vllm_config: Any) -> dict[str, Any]:
     token of an attention cache, or shapes, dtypes and bytes per request of a recurrent state."""
     info: dict[str, Any] = {"class": type(module).__name__}
     get_spec = getattr(module, "get_kv_cache_spec", None)
-    spec = get_spec(vllm_config) if get_spec is not None else None
+    try:
+        spec = get_spec(vllm_config) if get_spec is not None else None
+    except Exception as exc:  # noqa: BLE001 - informational: the audit itself does not depend on it
+        return {**info, "cache": f"unknown ({type(exc).__name__}: {exc})"}
     if spec is None:
         return info
     info["cache"] = type(spec).__name__
