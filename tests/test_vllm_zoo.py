@@ -183,8 +183,9 @@ def test_production_configs_cut_consistently(tmp_path, family):
 
 #: family -> (config with a production layer structure, layers kept for --layers 1, kinds kept)
 PRODUCTION = {
-    "qwen3_next": ({"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 48,
-                    "full_attention_interval": 4, "num_experts": 512, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "qwen3_next": ({"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+                    "num_hidden_layers": 48, "full_attention_interval": 4, "num_experts": 512,
+                    "decoder_sparse_step": 1, "mlp_only_layers": []},
                    4, {"linear_attention + moe": 3, "full_attention + moe": 1}),
     "nemotron_h": ({"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "num_hidden_layers": 52,
                     "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"},

@@ -2,9 +2,10 @@
 
 ``pcppass audit --vllm --zoo [--families a,b] [--json] [--moe-dispatch op] [--jobs N]`` writes
 each family's ``config.json`` (:data:`FAMILIES`: tiny widths, the family's own layer kinds and
-config keys; no weights) and audits it in its own process (``N`` at a time) (``pcppass audit --vllm DIR --json``: vLLM's engine and
-its flags are process-global, and a kernel crash stays one family's row), then prints one row per
-family: the writes found by op, covered or not, recipe and bytes per row, or the refusal and why.
+config keys; no weights) and audits it in its own process, ``N`` at a time (``pcppass audit
+--vllm DIR --json``: vLLM's engine and its flags are process-global, and a kernel crash stays one
+family's row), then prints one row per family: the writes found by op, covered or not, recipe and
+bytes per row, the state vLLM allocates per layer, or the refusal and why.
 
 A sharded run fills the last column: :func:`register_sharded_check` gives a family a callable
 ``check(model_dir, family) -> ShardedCheck`` (decode sharded at P=2, tokens compared with
@@ -29,6 +30,8 @@ from pcppass.integrations.vllm.config_dir import write_config_dir
 
 #: per-family audit time limit (seconds)
 FAMILY_TIMEOUT_S = 600
+#: how ``pcppass audit --vllm`` starts its one-line error
+ERROR_PREFIX = "pcppass audit --vllm: "
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,8 @@ class ZooRow:
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, "architecture": self.architecture, "dtype": self.dtype,
                 "status": self.status, "exit_code": self.exit_code, "note": self.note,
-                "writes_by_op": self.writes_by_op(), "states": self.states(), "error": self.error, "seconds": round(self.seconds, 1),
+                "writes_by_op": self.writes_by_op(), "states": self.states(), "error": self.error,
+                "seconds": round(self.seconds, 1),
                 "sharded": None if self.sharded is None else vars(self.sharded),
                 "audit": self.audit}
 
@@ -224,7 +228,7 @@ def audit_family(family: Family, root: str | Path, *, moe_dispatch: str = "auto"
     if out.returncode in (0, 1):
         row.audit = json.loads(out.stdout)
     else:
-        lines = [line for line in out.stderr.splitlines() if line.startswith("pcppass audit")]
+        lines = [line.removeprefix(ERROR_PREFIX) for line in out.stderr.splitlines() if line.startswith(ERROR_PREFIX)]
         row.error = lines[-1] if lines else (out.stderr.strip().splitlines() or ["(no output)"])[-1]
     if row.audit is not None and row.audit["ok"] and family.name in SHARDED_CHECKS:
         row.sharded = SHARDED_CHECKS[family.name](model_dir, family)
