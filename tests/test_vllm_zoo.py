@@ -167,20 +167,6 @@ def test_zoo_rows(cli_runs):
     assert run["rc"] == 1  # a family that does not load is not covered
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss", "gemma3", "lfm2"])
-def test_production_configs_cut_consistently(tmp_path, family):
-    """Each production layout (written here with its published layer structure) cut to
-    ``--layers 1``: the shortest prefix holding every kind, parsed back with the same kinds."""
-    from pcppass.integrations.vllm.config_dir import parsed_layer_kinds, read_config, shrink_config
-
-    config, layers, kept = PRODUCTION[family]
-    full = parsed_layer_kinds(_write(tmp_path, "full", config))
-    shrunk, shrink = shrink_config(read_config(tmp_path / "full"), 1, full)
-    assert (shrink.layers, shrink.kinds_kept) == (layers, kept), shrink.summary()
-    assert parsed_layer_kinds(_write(tmp_path, "cut", shrunk)) == full[:layers]
-
-
 #: family -> (config with a production layer structure, layers kept for --layers 1, kinds kept)
 PRODUCTION = {
     "qwen3_next": ({"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
@@ -207,6 +193,20 @@ PRODUCTION = {
                               "full_attention", "conv"]},
              3, {"conv + dense": 2, "full_attention + dense": 1}),
 }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss", "gemma3", "lfm2"])
+def test_production_configs_cut_consistently(tmp_path, family):
+    """Each production layout (written here with its published layer structure) cut to
+    ``--layers 1``: the shortest prefix holding every kind, parsed back with the same kinds."""
+    from pcppass.integrations.vllm.config_dir import parsed_layer_kinds, read_config, shrink_config
+
+    config, layers, kept = PRODUCTION[family]
+    full = parsed_layer_kinds(_write(tmp_path, "full", config))
+    shrunk, shrink = shrink_config(read_config(tmp_path / "full"), 1, full)
+    assert (shrink.layers, shrink.kinds_kept) == (layers, kept), shrink.summary()
+    assert parsed_layer_kinds(_write(tmp_path, "cut", shrunk)) == full[:layers]
 
 
 @pytest.fixture(scope="module")
