@@ -2,10 +2,12 @@
 
 ``python tests/vllm_worker.py '{"task": "generate", "model_dir": ..., "backend": "pcppass"}'``
 runs ``vllm.LLM.generate`` on the test prompts (greedy) with vLLM's default compile
-(``"backend": "default"``) or with pcppass's backend for vLLM (``"register"``: modules whose
-``register()`` runs first, e.g. an attention backend override), and prints one line
-``PCPPASS_RESULT {json}``: the tokens, and with pcppass what its backend found and inserted and
-how many sync collectives each step ran.
+(``"backend": "default"``), with pcppass's backend for vLLM, or with its audit backend
+(``"audit"``: the graph runs unchanged, eagerly), and prints one line ``PCPPASS_RESULT {json}``:
+the tokens, with pcppass what its backend found and inserted and how many sync collectives each
+step ran, with the audit backend the custom ops of the graph. ``"register"`` names modules whose
+``register()`` runs first (e.g. an attention backend override); ``"moe_dispatch": "op"`` runs the
+MoE layers through ``vllm::moe_forward`` (``pcppass.integrations.vllm.loaders``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ def generate(options: dict) -> dict:
     for hook in options.get("register", ()):  # e.g. an attention backend registered over CPU_ATTN
         call_hook(hook)
     args = cpu_engine_args(options["model_dir"], max_model_len=256)
+    if "moe_dispatch" in options:
+        from pcppass.integrations.vllm.loaders import AUTO_FORMAT, MOE_DISPATCH, register_loaders
+
+        register_loaders()
+        args.update(load_format=AUTO_FORMAT, model_loader_extra_config={MOE_DISPATCH: options["moe_dispatch"]})
+    if options["backend"] == "audit":
+        import pcppass.integrations.vllm  # noqa: F401  (the audit backend vLLM resolves by name)
+
+        args["compilation_config"] = {"mode": 2, "backend": "pcppass.integrations.vllm.audit_backend"}
     result: dict = {}
     if options["backend"] == "pcppass":
         import pcppass.integrations.vllm as integration
@@ -62,6 +73,12 @@ def generate(options: dict) -> dict:
         result["writes"] = [_write_row(w) for w in reports[0].writes]
         result["collectives_per_graph"] = [r.rewrite.collectives for r in reports]
         result["sync_collectives_run"] = SYNC_COUNTERS.take().collectives
+    if options["backend"] == "audit":
+        from pcppass.integrations.vllm.audit import op_inventory
+        from pcppass.integrations.vllm.compile import audit_backend
+
+        graphs = [r.graph for r in audit_backend.reports]
+        result["ops"] = {u.op: u.calls for u in op_inventory(graphs, [])}
     return result
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -24,7 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="built-in model name (llama, deepseek_v2, ...) or module:factory")
+    p.add_argument("model", nargs="?",
+                   help="built-in model name (llama, deepseek_v2, ...) or module:factory; with --vllm a "
+                        "model directory (config.json alone is enough: dummy weights)")
     p.add_argument("--size", choices=("tiny", "full"), default="tiny",
                    help="built-in model widths; 'full' is traced on the meta device (no weights)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -36,6 +39,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm", action="store_true",
                    help="MODEL is a model directory: audit the graph vLLM itself compiles for it "
                         "(needs vLLM; see docs/INTEGRATION.md)")
+    vllm = p.add_argument_group("vLLM (with --vllm)")
+    vllm.add_argument("--layers", type=int, default=None,
+                      help="keep the first N layers (raised to keep one layer of every kind); dummy weights")
+    vllm.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                      help="the model's dtype (Qwen3-Next's CPU kernel takes bfloat16 only)")
+    vllm.add_argument("--moe-dispatch", choices=("auto", "op"), default="auto",
+                      help="'op': MoE layers through vllm::moe_forward, the dispatch vLLM uses off the CPU")
+    vllm.add_argument("--zoo", action="store_true",
+                      help="audit a tiny config of every architecture family in the zoo and print the table")
+    vllm.add_argument("--families", default=None,
+                      help="with --zoo: comma-separated family names (default: all)")
+    vllm.add_argument("--jobs", type=int, default=2, help="with --zoo: families audited at a time")
     p.set_defaults(func=run_audit)
 
 
@@ -57,13 +72,18 @@ def _print_table(model: str, writes: list[StateWrite], console: Any) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    if args.vllm:
+    if args.vllm or args.zoo:
+        # vLLM's log would bury the table; VLLM_LOGGING_LEVEL=INFO shows it (read at vLLM's import)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         try:
             from pcppass.integrations.vllm.audit import run_audit_cli
         except ImportError as exc:
             print(f"pcppass audit --vllm: {exc}", file=sys.stderr)
             return EXIT_ERROR
         return run_audit_cli(args)
+    if args.model is None:
+        print("pcppass audit: give a model", file=sys.stderr)
+        return EXIT_ERROR
     from rich.console import Console
 
     from pcppass.analysis.report import audit

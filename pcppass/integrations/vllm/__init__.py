@@ -10,7 +10,9 @@ the layer vLLM built (:mod:`.effects`). Without this import those ops stay uncov
   "pcppass.integrations.vllm.backend"})`` hands pcppass the whole Dynamo graph of vLLM's model:
   it is audited (an uncovered write is refused), rewritten and compiled with Inductor.
 * :mod:`.adapter`: vLLM's model under :mod:`pcppass.engine` on P ranks, decode rows sharded.
-* :func:`audit_model_dir`: the writes of a model directory's graph (``pcppass audit --vllm DIR``).
+* :func:`audit_vllm`: the writes of a model directory's graph, the custom ops and the state vLLM
+  allocates (``pcppass audit --vllm DIR``; ``config.json`` alone is enough); :mod:`.zoo` audits a
+  tiny config of every architecture family (``pcppass audit --vllm --zoo``).
 
 See ``docs/INTEGRATION.md``.
 """
@@ -31,8 +33,8 @@ from pcppass.registry import register_resolver
 
 register_resolver(RESOLVER, resolve, describe=describe, effect=effect)
 
-from pcppass.integrations.vllm.audit import audit_model_dir  # noqa: E402
+from pcppass.integrations.vllm.audit import audit_model_dir, audit_vllm  # noqa: E402
 from pcppass.integrations.vllm.compile import VllmBackend, audit_backend, backend  # noqa: E402
 
-__all__ = ["RESOLVER", "UnsupportedLayer", "VllmBackend", "audit_backend", "audit_model_dir", "backend",
-           "describe", "resolve"]
+__all__ = ["RESOLVER", "UnsupportedLayer", "VllmBackend", "audit_backend", "audit_model_dir", "audit_vllm",
+           "backend", "describe", "resolve"]
