@@ -20,7 +20,8 @@ def _write_row(w) -> dict:
     return {"op": w.op, "arg": w.arg, "state": w.state, "source": w.source, "covered": w.covered,
             "pattern": w.pattern.name if w.pattern is not None else None,
             "recipe": w.recipe.value if w.recipe is not None else None,
-            "bytes_per_row": w.bytes_per_row, "reason": w.reason.value if w.reason else None,
+            "bytes_per_row": w.bytes_per_row, "recipe_bytes": dict(w.recipe_bytes),
+            "reason": w.reason.value if w.reason else None,
             "detail": w.detail}
 
 
@@ -33,7 +34,7 @@ def generate(options: dict) -> dict:
 
     for hook in options.get("register", ()):  # e.g. an attention backend registered over CPU_ATTN
         call_hook(hook)
-    args = cpu_engine_args(options["model_dir"], max_model_len=256)
+    args = cpu_engine_args(options["model_dir"], max_model_len=256, **options.get("engine_args", {}))
     result: dict = {}
     if options["backend"] == "pcppass":
         import pcppass.integrations.vllm as integration

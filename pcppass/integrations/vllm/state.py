@@ -105,12 +105,15 @@ STATE_OPS: dict[str, StateOp] = {
 
 #: where a re-run of each op was verified to reproduce the owner's state bytes: the op's state
 #: update run on a batch of rows and row by row gives the same bytes, on vLLM's real CPU kernels
-#: (:func:`kernel_path` names what ran). The test is the evidence; any other kernel path copies rows.
+#: at the tiny test widths and at production ones (:func:`kernel_path` names what ran). The test
+#: is the evidence; any other kernel path (GPUs, other CPUs) copies rows. Not short_conv: its op
+#: runs the layer's projections too (in_proj before the window, out_proj after), so a re-run
+#: would repeat two GEMMs per row of every other rank, and the window's input comes out of a GEMM
+#: whose invariance to the batch size at production widths nobody checked.
 VERIFIED_BATCH_INVARIANT: dict[str, frozenset[str]] = {
     "vllm::mamba_mixer2": frozenset({"cpu x86 AVX512 avx512_bf16"}),
     "vllm::short_conv": frozenset(),
-    "vllm::cpu_gdn_attention_core": frozenset({"cpu x86 AVX512 avx512_bf16",
-                                               "cpu x86 AVX512 avx512_bf16 torch-conv"}),
+    "vllm::cpu_gdn_attention_core": frozenset({"cpu x86 AVX512 avx512_bf16"}),
 }
 #: the test that verifies :data:`VERIFIED_BATCH_INVARIANT` on the machine it runs on
 BATCH_INVARIANCE_EVIDENCE = "tests/test_vllm_hybrid.py::test_state_updates_batch_invariance"
@@ -242,10 +245,10 @@ def describe_state(layer: Any, name: str) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 
 
-def kernel_path(op_name: str, layer: Any) -> str:
-    """What runs the op's state update here: the platform, the CPU's ISA and the kernel choice
-    the op makes in Python (the gated delta net's convolution: vLLM's C++ kernel where the CPU
-    has AVX-512 BF16 or ARM BF16, torch's otherwise)."""
+def platform_path() -> str:
+    """The platform, and on a CPU its architecture, ISA level and the features vLLM's CPU kernels
+    choose their code by (AMX tiles; AVX-512 BF16: the gated delta net's convolution runs vLLM's
+    C++ kernel with it, torch's without)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -256,18 +259,20 @@ def kernel_path(op_name: str, layer: Any) -> str:
         parts.append("amx")
     if torch.cpu._is_avx512_bf16_supported():
         parts.append("avx512_bf16")
-    if op_name == "vllm::cpu_gdn_attention_core":
-        from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+    return " ".join(parts)
 
-        if not (torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()):
-            parts.append("torch-conv")
+
+def kernel_path(op_name: str, layer: Any) -> str:
+    """What runs the op's state update here: :func:`platform_path`, and for Mamba2 a selective
+    state update backend other than the CPU's own (vLLM turns TRITON into CPU on a CPU)."""
+    path = platform_path()
     if op_name == "vllm::mamba_mixer2":
         from vllm.config.mamba import MambaBackendEnum
 
         backend = layer.mamba_config.backend
-        if backend not in (MambaBackendEnum.TRITON, MambaBackendEnum.CPU):  # TRITON is CPU's on CPU
-            parts.append(f"ssu-{backend.value}")
-    return " ".join(parts)
+        if backend not in (MambaBackendEnum.TRITON, MambaBackendEnum.CPU):
+            path += f" ssu-{backend.value}"
+    return path
 
 
 def rerun_exact(op_name: str, layer: Any) -> str | None:
