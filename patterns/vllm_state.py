@@ -66,8 +66,11 @@ SHORT_CONV = register_pattern(WritePattern(
     row_args={"hidden_states": 0},
     recipe=Recipe.COPY_ROWS,
     alternatives=(Recipe.RERUN,),
-    reviewed=_vllm("model_executor/layers/mamba/short_conv.py: forward_native -> causal_conv1d_update_cpu "
-                   "at state_indices_tensor_d (decode), causal_conv1d_fn_cpu at state_indices_tensor_p"),
+    reviewed=Reviewed(source="model_executor/layers/mamba/short_conv.py: forward_native -> "
+                             "causal_conv1d_update_cpu at state_indices_tensor_d (decode), "
+                             "causal_conv1d_fn_cpu at state_indices_tensor_p",
+                      evidence="tests/test_vllm_hybrid.py::test_state_updates_batch_invariance",
+                      package="vllm", versions=VLLM_RELEASES),
     doc="LFM2 short-convolution window line of each request, by layer name",
 ))
 

@@ -74,6 +74,15 @@ def test_state_updates_batch_invariance(vllm_hybrid_dirs, vllm_hybrid_references
         assert r["changed"] and r["untouched"], r
         if r["path"] in VERIFIED_BATCH_INVARIANT[r["op"]]:
             assert r["invariant"], f"declared batch-invariant, but it is not: {r}"
+    # a Mamba2 layer run in a way nobody reviewed is refused by name (the write is then uncovered)
+    refused = next(r["refusals"] for r in results if "refusals" in r)
+    assert refused["reviewed"] == "accepted", refused
+    for case, words in (("prefix caching", "enable_prefix_caching=False"), ("speculative decoding", "state lines"),
+                        ("subclass", "MixerSubclass"), ("other op", "not vllm::short_conv")):
+        assert refused[case].startswith("UnsupportedLayer") and words in refused[case], (case, refused[case])
+        assert "model.layers.0.mixer" in refused[case], (case, refused[case])
+    assert refused["line outside the states"].startswith("PcpSyncError") and "outside" in refused[
+        "line outside the states"], refused
 
 
 @pytest.mark.timeout(900)

@@ -98,6 +98,8 @@ def check_batch_invariance(rank: int, world: int, models: dict[str, tuple[str, d
             seen.add(op_name)
             with set_current_vllm_config(config), set_forward_context({}, config, num_tokens=len(LINES)):
                 result = check_layer(op_name, name, layer, config)
+                if op_name == "vllm::mamba_mixer2":
+                    result["refusals"] = refusals(layer, name, op_name, config)
             result["path"] = kernel_path(op_name, layer)
             result["model"] = model_dir
             results.append(result)
@@ -110,3 +112,40 @@ def copy_state_rows() -> None:
     from pcppass.integrations.vllm.state import VERIFIED_BATCH_INVARIANT
 
     VERIFIED_BATCH_INVARIANT.clear()
+
+
+def refusals(layer: Any, name: str, op_name: str, vllm_config: Any) -> dict[str, str]:
+    """What the ``"vllm"`` resolver says of a Mamba2 layer vLLM would run in a way nobody reviewed
+    (each raises naming the layer and the cause), and of a re-run asked for a line outside its
+    states: ``{case: "ExceptionType: message"}`` (``"accepted"`` where nothing was raised)."""
+    from vllm.config import set_current_vllm_config
+
+    from pcppass.integrations.vllm.effects import OP_EFFECTS
+    from pcppass.integrations.vllm.state import rerun
+
+    def outcome(call) -> str:
+        try:
+            with set_current_vllm_config(vllm_config):
+                call()
+        except Exception as exc:  # noqa: BLE001 - the refusal is the result
+            return f"{type(exc).__name__}: {exc}"
+        return "accepted"
+
+    effect = OP_EFFECTS[op_name]
+    found = {"reviewed": outcome(lambda: effect(layer, name))}
+    cache_config, cls = layer.cache_config, type(layer)
+    layer.cache_config = type("AlignMode", (), {"mamba_cache_mode": "align"})()
+    found["prefix caching"] = outcome(lambda: effect(layer, name))
+    layer.cache_config = cache_config
+    layer.num_spec = 1
+    found["speculative decoding"] = outcome(lambda: effect(layer, name))
+    layer.num_spec = 0
+    layer.__class__ = type("MixerSubclass", (cls,), {})
+    found["subclass"] = outcome(lambda: effect(layer, name))
+    layer.__class__ = cls
+    found["other op"] = outcome(lambda: OP_EFFECTS["vllm::short_conv"](layer, name))
+    widths = input_widths(op_name, layer, vllm_config)
+    rows = {arg: torch.zeros(1, width, dtype=vllm_config.model_config.dtype) for arg, width in widths.items()}
+    found["line outside the states"] = outcome(
+        lambda: rerun(op_name, name, rows, torch.tensor([layer.kv_cache[0].shape[0]])))
+    return found
