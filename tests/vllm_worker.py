@@ -54,7 +54,8 @@ def generate(options: dict) -> dict:
         return {"error": type(cause).__name__, "message": str(cause)}
     if options["backend"] == "pcppass":
         SYNC_COUNTERS.take()
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False)
+    # the engine under test never stops at an end-of-sequence token: neither does the reference
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
     if options["backend"] == "pcppass":

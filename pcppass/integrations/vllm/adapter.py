@@ -219,9 +219,9 @@ class VllmModel(nn.Module):
         return [layer.name for layer in self._layers if layer.group == GROUP]
 
     @property
-    def block_size(self) -> int:
-        """The attention layers' block size."""
-        return self.block_sizes[GROUP]
+    def block_size(self) -> int | None:
+        """The attention layers' block size (None: a model without attention layers)."""
+        return self.block_sizes.get(GROUP)
 
     # -- the model contract ------------------------------------------------------------------
 

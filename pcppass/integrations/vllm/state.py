@@ -304,7 +304,8 @@ def state_effect(op_name: str) -> Callable[[Any, str], HandleEffect]:
 #: the vLLM config each state layer was compiled under (a re-run builds its metadata with it when
 #: no config is current)
 _configs: dict[str, Any] = {}
-_builders: dict[tuple[str, int], Any] = {}
+#: layer name -> (the config it was built with, the builder)
+_builders: dict[str, tuple[Any, Any]] = {}
 
 
 def _remember_config(name: str) -> None:
@@ -327,11 +328,11 @@ def _config_for(name: str) -> Any:
 def builder_for(layer: Any, name: str, device: torch.device) -> Any:
     """The layer's own metadata builder (one per layer and config)."""
     config = _config_for(name)
-    key = (name, id(config))
-    if key not in _builders:
+    built = _builders.get(name)
+    if built is None or built[0] is not config:
         spec = layer.get_kv_cache_spec(config)
-        _builders[key] = layer.get_attn_backend().get_builder_cls()(spec, [name], config, device)
-    return _builders[key]
+        built = _builders[name] = (config, layer.get_attn_backend().get_builder_cls()(spec, [name], config, device))
+    return built[1]
 
 
 def decode_metadata(layer: Any, name: str, lines: torch.Tensor) -> Any:
