@@ -3,10 +3,13 @@
 :class:`VllmModel` follows pcppass's model contract (``docs/MODEL_CONTRACT.md``) around a model
 vLLM loaded: the engine allocates one cache per attention layer in the layout vLLM's attention
 backend reads (``[num_blocks, heads, block_size, 2 * head_size]`` for ``CPU_ATTN``,
-``[num_blocks, 1, block_size, 576]`` for MLA), and every step
+``[num_blocks, 1, block_size, 576]`` for MLA) and, for a hybrid model's recurrent layers, one raw
+page per state line (``[lines, 1, 1, page bytes]``, in a cache group whose block covers a whole
+request, so the block number is the request's state line), and every step
 
 1. binds the engine's caches to the layers (``layer.kv_cache``, vLLM's own ``bind_kv_cache``),
-2. builds the backend's attention metadata from the step's meta (vLLM's metadata builder),
+2. builds each backend's metadata from the step's meta (vLLM's metadata builders, one per kind of
+   layer, over its group's block table),
 3. runs vLLM's model inside vLLM's forward context (``set_forward_context``, with the per-layer
    slot mappings), where ``vllm::unified_kv_cache_update`` finds the cache and the slots.
 
