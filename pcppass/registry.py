@@ -117,11 +117,21 @@ class HandleEffect:
 
     writes: bool
     why: str
+    #: why re-running the op's state update for other ranks' rows reproduces the owner's bytes
+    #: exactly here (the kernel this handle runs was verified batch-invariant); None when nobody
+    #: verified it: a pattern's RERUN alternative is then never chosen for this handle
+    rerun_exact: str | None = None
 
 
 #: ``effect(op, handle) -> HandleEffect``: raises (any exception, its text the reason) when the
 #: engine cannot say, e.g. an attention backend nobody reviewed; the write is then uncovered.
 EffectFn = Callable[[str, str], HandleEffect]
+
+#: ``rerun(op, handle, rows, lines)``: at run time, re-run ``op``'s state update through ``handle``
+#: for the rows whose state line (``lines``, int64 ``[n]``) is >= 0, from their per-row inputs
+#: (``rows``: argument name -> ``[n, ...]``, every rank's rows), discarding every output; rows with
+#: line -1 (this rank's own, padding) are left alone. Raises before writing when it cannot.
+RerunFn = Callable[[str, str, Mapping[str, "torch.Tensor"], "torch.Tensor"], None]
 
 
 @dataclass(frozen=True)
@@ -137,12 +147,16 @@ class Resolver:
     it (:class:`HandleEffect`): asked at compile time for every handle of an op whose pattern names
     this resolver. Without it, a pattern's ``context`` roles mean "writes" and its ``reads`` "only
     reads", and a handle listed in both cannot be decided (uncovered).
+
+    ``rerun(op, handle, rows, lines)`` re-runs a state update for other ranks' rows (the RERUN
+    alternative of a context-addressed pattern, :class:`RerunFn`); without it only COPY_ROWS runs.
     """
 
     name: str
     resolve: ResolveFn
     describe: ResolveFn | None = None
     effect: EffectFn | None = None
+    rerun: RerunFn | None = None
 
     def described(self, handle: str) -> Mapping[str, "torch.Tensor"]:
         return (self.describe or self.resolve)(handle)
@@ -152,16 +166,19 @@ _resolvers: dict[str, Resolver] = {}
 
 
 def register_resolver(name: str, fn: ResolveFn, *, describe: ResolveFn | None = None,
-                      effect: EffectFn | None = None, replace: bool = False) -> Resolver:
+                      effect: EffectFn | None = None, rerun: RerunFn | None = None,
+                      replace: bool = False) -> Resolver:
     """Register ``fn(handle_value) -> {role: tensor}`` under ``name`` (``WritePattern.resolver``),
-    with the optional compile-time ``describe`` and per-handle ``effect`` (see :class:`Resolver`).
+    with the optional compile-time ``describe``, per-handle ``effect`` and run-time ``rerun`` (see
+    :class:`Resolver`).
 
     Raises ``ValueError`` if another resolver already has the name, unless ``replace``.
     """
-    resolver = Resolver(name, fn, describe, effect)
+    resolver = Resolver(name, fn, describe, effect, rerun)
     with _lock:
         old = _resolvers.get(name)
-        if old is not None and not replace and (old.resolve, old.describe, old.effect) != (fn, describe, effect):
+        if old is not None and not replace and (old.resolve, old.describe, old.effect, old.rerun) != (
+                fn, describe, effect, rerun):
             raise ValueError(f"resolver {name!r} is already registered ({old.resolve!r})")
         _resolvers[name] = resolver
     return resolver

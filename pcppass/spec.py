@@ -37,7 +37,8 @@ class Recipe(str, enum.Enum):
     COPY_ROWS = "copy_rows"
     #: Gather the owner's per-row inputs and run the same op again on every other replica, with the
     #: replica's own rows masked out (slot -1) and every non-cache output discarded. For stateful ops
-    #: whose effect is not a plain row store.
+    #: whose effect is not a plain row store. For an op whose caches are context-addressed, the
+    #: resolver's ``rerun`` hook re-runs it for the other ranks' rows (a pattern's ``alternatives``).
     RERUN = "rerun"
     #: Nothing to reproduce: the op only reads the state its handle addresses (vLLM's attention
     #: ops take the layer name to fetch the KV cache they read), or writes nothing that outlives the
@@ -385,6 +386,29 @@ def _check_context(name: str, recipe: "Recipe", caches, context, resolver, reads
                          f"resolver decides per handle (listed in both `reads` and `context`)")
 
 
+def _check_alternatives(name: str, alternatives, context: tuple[ContextCache, ...]) -> tuple["Recipe", ...]:
+    """A pattern's alternative recipes: only RERUN, only for context-addressed caches whose roles
+    share one slots role (the state line of each row, which the re-run addresses)."""
+    where = f"WritePattern {name!r}"
+    if isinstance(alternatives, (str, Recipe)) or not isinstance(alternatives, (tuple, list)):
+        raise TypeError(f"{where}: alternatives must be a tuple of recipes, e.g. (Recipe.RERUN,), "
+                        f"got {alternatives!r}")
+    found = tuple(Recipe(a) for a in alternatives)
+    if not found:
+        return found
+    if found != (Recipe.RERUN,):
+        raise ValueError(f"{where}: the one alternative recipe is RERUN (through the resolver's "
+                         f"`rerun` hook), got {[r.value for r in found]}")
+    if not context:
+        raise ValueError(f"{where}: a RERUN alternative re-runs an op whose caches are context-addressed "
+                         f"(list them in `context`)")
+    if len({(c.handle, c.slots) for c in context}) != 1:
+        raise ValueError(f"{where}: a RERUN alternative needs every context role behind one handle and "
+                         f"one slots role (the rows' state lines), got "
+                         f"{sorted({(c.handle, c.slots) for c in context})}")
+    return found
+
+
 @dataclass(frozen=True)
 class WritePattern:
     """A declarative spec of one write family. See the module docstring for an example.
@@ -413,6 +437,11 @@ class WritePattern:
     #: the review behind what the pattern says of an op it does not own (required with ``reads``);
     #: with a package and versions, the pattern applies only to those releases
     reviewed: Reviewed | None = field(default=None, kw_only=True)
+    #: recipes classification may choose instead of ``recipe``, per handle: ``(Recipe.RERUN,)`` on a
+    #: context-addressed pattern re-runs the op's state update from its gathered ``row_args``
+    #: through the resolver's ``rerun`` hook, chosen where the resolver vouches that this is exact
+    #: (``HandleEffect.rerun_exact``) and it moves fewer bytes per row than copying the rows
+    alternatives: tuple[Recipe, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         _require_name("WritePattern", "name", self.name)
@@ -452,6 +481,7 @@ class WritePattern:
                                  f"list {missing} in row_args")
         _check_context(self.name, recipe, caches, context, self.resolver, reads, self.row_args,
                        self.reviewed)
+        object.__setattr__(self, "alternatives", _check_alternatives(self.name, self.alternatives, context))
         object.__setattr__(self, "ops", ops)
         object.__setattr__(self, "caches", tuple(caches))
         object.__setattr__(self, "recipe", recipe)
@@ -495,6 +525,8 @@ class WritePattern:
             payload["reads"] = list(self.reads)
         if self.reviewed is not None:
             payload["reviewed"] = repr(self.reviewed)
+        if self.alternatives:
+            payload["alternatives"] = [r.value for r in self.alternatives]
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

@@ -45,3 +45,26 @@ def vllm_moe_reference_tokens(vllm_moe_dirs):
 
     procs = {name: start_worker("generate", path, backend="default") for name, path in vllm_moe_dirs.items()}
     return {name: finish_worker(proc)["tokens"] for name, proc in procs.items()}
+
+
+@pytest.fixture(scope="session")
+def vllm_hybrid_dirs(tmp_path_factory):
+    """Tiny random hybrid models (recurrent-state layers beside attention): {name: dir}."""
+    from vllm_cases import HYBRID_BUILDERS
+
+    root = tmp_path_factory.mktemp("vllm_hybrid_models")
+    return {name: build(root / name) for name, build in HYBRID_BUILDERS.items()}
+
+
+@pytest.fixture(scope="session")
+def vllm_hybrid_references(vllm_hybrid_dirs):
+    """vLLM's own ``LLM.generate`` (its default compile and engine, prefix caching off) on the
+    hybrids the tests shard, started at once in the background: ``.tokens()`` waits for them, so
+    a test that takes this fixture early overlaps them with its own work."""
+    from vllm_cases import HYBRID_ENGINE_ARGS, HYBRID_SHARDED, BackgroundReferences, start_worker
+
+    references = BackgroundReferences({
+        name: start_worker("generate", vllm_hybrid_dirs[name], backend="default", engine_args=HYBRID_ENGINE_ARGS[name])
+        for name in HYBRID_SHARDED})
+    yield references
+    references.stop()

@@ -107,9 +107,116 @@ def build_deepseek_v2_moe(path: Path) -> Path:
     return path
 
 
+def build_mamba2(path: Path) -> Path:
+    """Mamba2: two Mamba2 layers (``vllm::mamba_mixer2``), no attention."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Mamba2Config(num_heads=4, head_dim=32, hidden_size=64, expand=2, state_size=16, n_groups=1,
+                                    num_hidden_layers=2, vocab_size=512, conv_kernel=4, chunk_size=64,
+                                    tie_word_embeddings=False)
+    transformers.Mamba2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def build_granite_moe_hybrid(path: Path) -> Path:
+    """GraniteMoeHybrid: a Mamba2 layer, then an attention layer, MoE with a shared expert."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GraniteMoeHybridConfig(
+        hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=64, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_n_groups=1,
+        mamba_d_state=16, mamba_d_head=64, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
+        position_embedding_type="rope")
+    transformers.GraniteMoeHybridForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def build_nemotron_h(path: Path, **state) -> Path:
+    """NemotronH: a Mamba2 layer then an attention layer (``state`` overrides the Mamba2 sizes)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    sizes = dict(ssm_state_size=16, mamba_num_heads=4, mamba_head_dim=32, n_groups=1, conv_kernel=4,
+                 layers_block_type=["mamba", "attention"])
+    sizes.update(state)
+    cfg = transformers.NemotronHConfig(hidden_size=128, vocab_size=512, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=32, max_position_embeddings=256, intermediate_size=256, expand=1,
+                                       chunk_size=64, **sizes)
+    transformers.NemotronHForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def build_lfm2(path: Path) -> Path:
+    """LFM2: a short-convolution layer (``vllm::short_conv``), then attention. vLLM reads LFM2's
+    ``conv_dim`` and ``block_*`` keys, which transformers' config does not write."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Lfm2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, conv_L_cache=3,
+                                  layer_types=["conv", "full_attention"], block_multiple_of=64,
+                                  block_auto_adjust_ff_dim=False, initializer_range=0.2)
+    cfg.conv_dim, cfg.block_dim, cfg.block_ff_dim = 128, 128, 256
+    transformers.Lfm2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def build_qwen3_next(path: Path, **linear) -> Path:
+    """Qwen3-Next in bfloat16 (vLLM's CPU gated delta net takes only bfloat16 and 128-wide
+    heads): a gated delta net layer, then attention, MoE with a shared expert (``linear``
+    overrides the delta net's sizes and layers). Weights drawn wider than transformers' default,
+    so that no two logits of the greedy tokens lie within a bfloat16 rounding of each other."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    sizes = dict(linear_num_key_heads=1, linear_num_value_heads=2, layer_types=["linear_attention", "full_attention"])
+    sizes.update(linear)
+    cfg = transformers.Qwen3NextConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=len(sizes["layer_types"]), num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, vocab_size=512, max_position_embeddings=256, linear_conv_kernel_dim=4,
+        linear_key_head_dim=128, linear_value_head_dim=128, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, initializer_range=0.2,
+        dtype="bfloat16", **sizes)
+    transformers.Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def build_nemotron_h_8b_state(path: Path) -> Path:
+    """One Mamba2 layer with NemotronH-8B's state sizes (128 heads of 64, 8 groups, state 128)."""
+    return build_nemotron_h(path, ssm_state_size=128, mamba_num_heads=128, mamba_head_dim=64, n_groups=8,
+                            layers_block_type=["mamba"])
+
+
+def build_qwen3_next_80b_state(path: Path) -> Path:
+    """One gated delta net layer with Qwen3-Next-80B-A3B's sizes (16 key and 32 value heads of 128)."""
+    return build_qwen3_next(path, linear_num_key_heads=16, linear_num_value_heads=32, layer_types=["linear_attention"])
+
+
 BUILDERS = {"llama": build_llama, "deepseek_v2": build_deepseek_v2}
 #: MoE models (built and referenced by their own fixtures: only the MoE tests pay for them)
 MOE_BUILDERS = {"qwen3_moe": build_qwen3_moe, "mixtral": build_mixtral, "deepseek_v2_moe": build_deepseek_v2_moe}
+#: hybrid models with recurrent-state layers (built and referenced by their own fixtures)
+HYBRID_BUILDERS = {"nemotron_h": build_nemotron_h, "qwen3_next": build_qwen3_next, "lfm2": build_lfm2,
+                   "mamba2": build_mamba2, "granite_moe_hybrid": build_granite_moe_hybrid}
+#: the hybrids the vLLM job shards (Mamba2 and gated delta net; every vLLM reference run costs the
+#: job most of a minute)
+HYBRID_SHARDED = ("nemotron_h", "qwen3_next")
+#: one state layer at a production model's widths (the batch-invariance check)
+WIDE_STATE_BUILDERS = {"nemotron_h_8b_state": build_nemotron_h_8b_state,
+                       "qwen3_next_80b_state": build_qwen3_next_80b_state}
+#: vLLM engine arguments a model needs beyond the defaults: bfloat16 for the CPU gated delta net;
+#: every hybrid without prefix caching (vLLM's prefix caching for state layers is refused)
+HYBRID_ENGINE_ARGS = {name: {"enable_prefix_caching": False} for name in (*HYBRID_BUILDERS, *WIDE_STATE_BUILDERS)}
+for _name in ("qwen3_next", "qwen3_next_80b_state"):
+    HYBRID_ENGINE_ARGS[_name]["dtype"] = "bfloat16"
 
 
 def vllm_env(*, layername: bool = True, **extra: str) -> dict[str, str]:
@@ -149,3 +256,24 @@ def finish_worker(proc: subprocess.Popen) -> dict:
 
 def run_worker(task: str, model_dir: Path, **kwargs) -> dict:
     return finish_worker(start_worker(task, model_dir, **kwargs))
+
+
+class BackgroundReferences:
+    """vLLM reference runs started in the background (:func:`start_worker`): :meth:`tokens` waits
+    for them once and keeps their tokens."""
+
+    def __init__(self, procs: dict[str, subprocess.Popen]) -> None:
+        self._procs = procs
+        self._tokens: dict[str, list[list[int]]] | None = None
+
+    def tokens(self) -> dict[str, list[list[int]]]:
+        if self._tokens is None:
+            self._tokens = {name: finish_worker(proc)["tokens"] for name, proc in self._procs.items()}
+        return self._tokens
+
+    def stop(self) -> None:
+        """Kill the runs nobody waited for (a failed or deselected test)."""
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()

@@ -87,6 +87,7 @@ def run_sharded(rank: int, world: int, model_dir: str, case: ShardedCase) -> dic
     result["graph_collectives"] = [r.all_gather_nodes for r in runner.decode_backend.reports]
     result["writes"] = [(w.op, w.state, w.recipe.value if w.recipe else None, w.bytes_per_row)
                         for r in runner.decode_backend.reports for w in r.writes]
+    result["recipe_bytes"] = [dict(w.recipe_bytes) for r in runner.decode_backend.reports for w in r.writes]
     result["layers"] = vmodel.layer_names
     return result
 

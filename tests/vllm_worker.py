@@ -22,7 +22,8 @@ def _write_row(w) -> dict:
     return {"op": w.op, "arg": w.arg, "state": w.state, "source": w.source, "covered": w.covered,
             "pattern": w.pattern.name if w.pattern is not None else None,
             "recipe": w.recipe.value if w.recipe is not None else None,
-            "bytes_per_row": w.bytes_per_row, "reason": w.reason.value if w.reason else None,
+            "bytes_per_row": w.bytes_per_row, "recipe_bytes": dict(w.recipe_bytes),
+            "reason": w.reason.value if w.reason else None,
             "detail": w.detail}
 
 
@@ -35,7 +36,7 @@ def generate(options: dict) -> dict:
 
     for hook in options.get("register", ()):  # e.g. an attention backend registered over CPU_ATTN
         call_hook(hook)
-    args = cpu_engine_args(options["model_dir"], max_model_len=256)
+    args = cpu_engine_args(options["model_dir"], max_model_len=256, **options.get("engine_args", {}))
     if "moe_dispatch" in options:
         from pcppass.integrations.vllm.loaders import AUTO_FORMAT, MOE_DISPATCH, register_loaders
 
@@ -64,7 +65,8 @@ def generate(options: dict) -> dict:
         return {"error": type(cause).__name__, "message": str(cause)}
     if options["backend"] == "pcppass":
         SYNC_COUNTERS.take()
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False)
+    # the engine under test never stops at an end-of-sequence token: neither does the reference
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
     if options["backend"] == "pcppass":

@@ -7,6 +7,8 @@ Order of the checks, each an early return with its reason:
    (vLLM: from the layer's attention backend); covered when it writes and the resolver describes
    caches the pattern's layout fits, read only when it only reads and a reviewed declaration of
    the pattern says so; a pattern reviewed for other releases of the op's package no longer applies;
+   a pattern with alternative recipes gets the one that moves fewer bytes per row where it is
+   exact (:mod:`pcppass.analysis.recipes`);
 1. already marked by the finder (a cache handle, an opaque call, a side-effect-only op, unknown
    storage); the state (or the written view) is a tensor subclass: the sync copies plain rows;
 2. no pattern covers the op: a user Triton kernel, an unknown mutating op, or (for in-place aten
@@ -27,6 +29,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
+from pcppass.analysis.recipes import choose_recipe
 from pcppass.analysis.records import StateWrite, Uncovered
 from pcppass.analysis.views import is_base_flattened_paged, is_plain_tensor, node_value
 from pcppass.registry import HandleEffect, get_resolver, pattern_for_family, pattern_for_op, refusal_for_op
@@ -386,10 +389,11 @@ def _classify_context(record: StateWrite) -> bool:
             else Uncovered.UNKNOWN_LAYOUT
         _uncovered(record, reason, f"{record.op} writes the caches of {record.state}: {exc}")
         return True
-    record.reason, record.detail, record.recipe = None, effect.why, pattern.recipe
+    record.reason, record.detail = None, effect.why
     # for the audit: one row of the op is the rows of every role ("context" is never encoded)
     record.layout = ResolvedLayout("context", layouts[0].block_size,
                                    sum(layout.bytes_per_row for layout in layouts))
+    choose_recipe(record, pattern, effect, record.layout.bytes_per_row)
     return True
 
 

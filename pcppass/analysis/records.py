@@ -107,8 +107,12 @@ class StateWrite:
     #: symbolic expression); None where the value is not known (no declared values, a scalar fill)
     written_bytes_per_row: object = None
     #: what the sync does for this record once covered: the pattern's recipe, or READ_ONLY where the
-    #: engine says the op only reads through this handle (:class:`~pcppass.registry.HandleEffect`)
+    #: engine says the op only reads through this handle (:class:`~pcppass.registry.HandleEffect`),
+    #: or the alternative classification chose (:mod:`pcppass.analysis.recipes`)
     recipe: Recipe | None = None
+    #: where the pattern lists alternative recipes: the bytes per row each would move, by recipe
+    #: value (``{"copy_rows": 10112, "rerun": 1168}``; a recipe that cannot run here is absent)
+    recipe_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def covered(self) -> bool:

@@ -93,6 +93,7 @@ def write_row(w: StateWrite) -> dict[str, Any]:
         "recipe": w.recipe.value if w.covered else None,
         "layout": w.layout.kind if w.layout is not None and w.covered else None,
         "bytes_per_row": w.bytes_per_row if w.covered else None,
+        "recipe_bytes": dict(w.recipe_bytes) if w.covered else {},
         "written_bytes_per_row": written if written is None or isinstance(written, int) else str(written),
         "reason": w.reason.value if w.reason is not None else None,
         "detail": w.detail,

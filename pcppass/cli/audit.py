@@ -62,8 +62,11 @@ def _print_table(model: str, writes: list[StateWrite], console: Any) -> None:
         table.add_column(col, overflow="fold")
     for w in writes:
         if w.covered:
-            # a read-only record says why the op only reads (e.g. the layer's attention backend)
+            # a read-only record says why the op only reads (e.g. the layer's attention backend);
+            # one with alternative recipes, the bytes per row of each
             last = str(w.bytes_per_row) if w.bytes_per_row is not None else w.detail
+            if w.recipe_bytes:
+                last = ", ".join(f"{name} {n}" for name, n in w.recipe_bytes.items())
             table.add_row(w.state, f"{w.op} ({w.arg})", w.source, w.pattern.name, w.recipe.value, last)
         else:
             table.add_row(w.state, f"{w.op} ({w.arg})", w.source, "-", "-",

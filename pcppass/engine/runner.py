@@ -339,7 +339,10 @@ class Engine:
         if self.world > 1:
             gathered = hidden.new_empty((self.world * hidden.shape[0], *hidden.shape[1:]))
             try:
-                dist.all_gather_into_tensor(gathered, hidden.contiguous(), group=self.group)
+                # no grad: gloo gathers some dtypes (bfloat16) into views of `gathered`, which grad
+                # mode refuses to write in place
+                with torch.no_grad():
+                    dist.all_gather_into_tensor(gathered, hidden.contiguous(), group=self.group)
             except Exception as exc:  # typically: a peer failed its step and aborted the group
                 raise_fail_stop(exc, self.group, self.rank, "the engine's all-gather of hidden rows")
         else:

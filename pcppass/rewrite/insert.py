@@ -67,6 +67,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.fx
 
+import pcppass.kernels.rerun_context  # noqa: F401  (registers pcppass::sync_rerun_context)
 import pcppass.kernels.rows  # noqa: F401  (registers the pcppass::sync_* ops)
 from pcppass.analysis.views import node_value
 from pcppass.errors import PcpSyncError
@@ -151,10 +152,12 @@ class CacheRows:
 
 @dataclass(frozen=True)
 class RerunInputs:
-    """A re-run site's per-row inputs: schema argument name -> payload segment number."""
+    """A re-run site's per-row inputs: schema argument name -> payload segment number; for a
+    context-addressed site, also the payload carrying its rows' state lines (read at run time)."""
 
     site: SyncSite
     segments: dict[str, int]
+    lines: int | None = None
 
 
 @dataclass(frozen=True)
@@ -166,10 +169,11 @@ class Segments:
     rows: tuple[CacheRows, ...]
     payloads: tuple[torch.fx.Node, ...]
     reruns: tuple[RerunInputs, ...]
-    #: what the scatter into context-addressed caches waits for. Deferred schedule: the step's
-    #: outputs, so every op whose result reaches them (vLLM's attention) has read the caches before
-    #: other ranks' rows land, as functionalization orders a graph cache's scatter after its reads.
-    #: Immediate schedule: nothing (the readers wait on the scatter instead).
+    #: what the scatter into (or a re-run of) context-addressed caches waits for. Deferred
+    #: schedule: the step's outputs, so every op whose result reaches them (vLLM's attention, its
+    #: state ops) has read the caches before other ranks' rows land, as functionalization orders a
+    #: graph cache's scatter after its reads. Immediate schedule: nothing (the readers wait on the
+    #: scatter instead).
     context_after: tuple[torch.fx.Node, ...] = ()
 
     @property
@@ -238,11 +242,12 @@ class _SegmentCollector:
 def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot: bool) -> Segments:
     """The segments that sync ``sites``: every cache written by a ``COPY_ROWS`` site (its slots
     as a payload; a context-addressed cache's rows and slots, read at run time, as two payloads)
-    and every per-row input of a ``RERUN`` site, as payloads."""
+    and every per-row input of a ``RERUN`` site, as payloads (a context-addressed one's state
+    lines, read at run time, too)."""
     collector = _SegmentCollector(emit, snapshot)
     copies: list[tuple[SyncSite, Any, torch.fx.Node, int]] = []  # site, cache sync, slots, payload
     contexts: list[tuple[SyncSite, Any, torch.fx.Node, int, int]] = []  # ... rows and slots payloads
-    reruns: list[tuple[SyncSite, dict[str, int]]] = []
+    reruns: list[tuple[SyncSite, dict[str, int], int | None]] = []  # site, inputs, lines payload
     for site in sites:
         if site.recipe is Recipe.COPY_ROWS:
             for cache in site.caches:
@@ -253,11 +258,13 @@ def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot:
                 slots = collector.as_sent(site, cache.slots)
                 copies.append((site, cache, slots, collector.payload(slots)))
         else:
-            reruns.append((site, {
+            inputs = {
                 name: collector.payload(collector.as_sent(site, site.arguments[name],
                                                           mutated_by_op=name in site.mutated_row_args), dim)
                 for name, dim in site.row_args.items()
-            }))
+            }
+            lines = collector.payload(read_context_lines(emit, site)) if site.context is not None else None
+            reruns.append((site, inputs, lines))
     first_payload = len(copies)
     rows = tuple(
         CacheRows(site, cache.state, cache.cache, slots, cache.layout, rows_segment=i,
@@ -270,9 +277,11 @@ def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot:
     )
     return Segments(
         sites=tuple(sites), rows=rows, payloads=tuple(collector.payloads),
-        reruns=tuple(RerunInputs(site, {name: first_payload + p for name, p in payloads.items()})
-                     for site, payloads in reruns),
-        context_after=_step_outputs(emit.graph) if contexts and snapshot else (),
+        reruns=tuple(RerunInputs(site, {name: first_payload + p for name, p in payloads.items()},
+                                 None if lines is None else first_payload + lines)
+                     for site, payloads, lines in reruns),
+        context_after=_step_outputs(emit.graph) if snapshot and (
+            contexts or any(lines is not None for _, _, lines in reruns)) else (),
     )
 
 
@@ -300,6 +309,17 @@ def read_context_rows(emit: GraphEmitter, site: SyncSite, cache: Any) -> tuple[t
     read = emit.call(_SYNC.sync_context_rows.default, ref.resolver, ref.handle, ref.cache_role,
                      ref.slots_role, encode_layout(cache.layout), site.rows_like(), [_result_tensor(site)])
     return emit.call(operator.getitem, read, 0), emit.call(operator.getitem, read, 1)
+
+
+def read_context_lines(emit: GraphEmitter, site: SyncSite) -> torch.fx.Node:
+    """Emit the run-time read of a context-addressed re-run site's state lines (one per row, -1
+    where the op wrote none), after the op::
+
+        lines = pcppass.sync_context_slots(resolver, handle, slots_role, <a row input>, [<result>])
+    """
+    ref = site.context
+    return emit.call(_SYNC.sync_context_slots.default, ref.resolver, ref.handle, ref.slots_role,
+                     site.rows_like(), [_result_tensor(site)])
 
 
 def _result_tensor(site: SyncSite) -> torch.fx.Node:
@@ -505,10 +525,15 @@ class AllGatherTransport(Transport):
 # ---------------------------------------------------------------------------------------------
 
 
-def emit_rerun(emit: GraphEmitter, transport: Transport, rerun: RerunInputs) -> None:
+def emit_rerun(emit: GraphEmitter, transport: Transport, rerun: RerunInputs,
+               after: Sequence[torch.fx.Node] = ()) -> None:
     """Call the re-run site's op again on every rank's per-row inputs (own slots masked to -1).
-    Every output of the call is discarded: the owner keeps its own."""
+    Every output of the call is discarded: the owner keeps its own. A context-addressed site is
+    re-run through its resolver instead (:func:`emit_context_rerun`)."""
     site = rerun.site
+    if site.context is not None:
+        emit_context_rerun(emit, transport, rerun, after)
+        return
     if site.node.op != "call_function":
         raise PlanError(f"{site.label}: a re-run needs an op call, got {site.node.op}")
     kwargs = dict(site.arguments)
@@ -516,6 +541,23 @@ def emit_rerun(emit: GraphEmitter, transport: Transport, rerun: RerunInputs) -> 
         every_rank = transport.every_rank(rerun.segments[name], name in site.slot_args)
         kwargs[name] = every_rank if dim == 0 else emit.call(torch.movedim, every_rank, 0, dim)
     emit.call(site.node.target, kwargs=kwargs)
+
+
+def emit_context_rerun(emit: GraphEmitter, transport: Transport, rerun: RerunInputs,
+                       after: Sequence[torch.fx.Node]) -> None:
+    """Re-run a context-addressed site's state update for the other ranks' rows, through the
+    resolver's ``rerun`` hook (the op fetches its state, and its batch's metadata, by the handle)::
+
+        pcppass.sync_rerun_context(resolver, handle, op, names, [every rank's inputs],
+                                   every rank's lines, after, group, site)
+    """
+    site, ref = rerun.site, rerun.site.context
+    names = list(site.row_args)
+    # rows first (the hook's contract), as the payloads travel
+    rows = [transport.every_rank(rerun.segments[name], False) for name in names]
+    lines = transport.every_rank(rerun.lines, False)
+    emit.call(_SYNC.sync_rerun_context.default, ref.resolver, ref.handle, site.op, "\n".join(names), rows,
+              lines, list(after), transport.group.group_name, site.label.replace("\n", " "))
 
 
 def apply_in_graph_order(emit: GraphEmitter, transport: Transport, segments: Segments) -> None:
@@ -540,7 +582,7 @@ def apply_in_graph_order(emit: GraphEmitter, transport: Transport, segments: Seg
         if isinstance(step, list):
             transport.apply_rows(step)
         else:
-            emit_rerun(emit, transport, step)
+            emit_rerun(emit, transport, step, segments.context_after)
     transport.finish()
 
 

@@ -74,10 +74,17 @@ class SyncSite:
     #: re-run sites: per-row inputs the op itself writes (its schema marks them ``(a!)``): what
     #: the replicas re-run on must be copied before the op runs
     mutated_row_args: tuple[str, ...] = ()
+    #: the recipe classification chose for this site's records (None: the pattern's own)
+    chosen: Recipe | None = None
 
     @property
     def recipe(self) -> Recipe:
-        return self.pattern.recipe
+        return self.chosen or self.pattern.recipe
+
+    @property
+    def context(self) -> ContextRef | None:
+        """Where a context-addressed site's caches are fetched at run time (None: graph caches)."""
+        return next((c.cache for c in self.caches if isinstance(c.cache, ContextRef)), None)
 
     @property
     def label(self) -> str:
@@ -275,16 +282,30 @@ def plan_sync(writes: Sequence[StateWrite]) -> SyncPlan:
             layout = _layout(w, role, written, arguments)
             slots = _tensor_node(arguments, role.slots, where)
             caches.append(CacheSync(w.state, role.arg, _cache_node(w, layout, written), slots, layout))
-        site = SyncSite(len(sites), node, op, pattern, caches, records[0].source, arguments)
-        if pattern.recipe is Recipe.RERUN:
-            site.row_args = dict(pattern.row_args)
-            for name in site.row_args:
-                _tensor_node(arguments, name, where)
-            site.slot_args = tuple(sorted({r.slots for r in pattern.caches} & set(site.row_args)))
-            site.mutated_row_args = tuple(name for name in written_arg_names(node) if name in site.row_args)
-            missing = {r.slots for r in pattern.caches} - set(site.row_args)
-            if missing:
-                raise PlanError(f"{where}: re-run pattern {pattern.name} must list slot args "
-                                f"{sorted(missing)} among its row_args")
+        chosen = {w.recipe for w in records}
+        if len(chosen) != 1:
+            raise PlanError(f"{where}: its records chose different recipes ({sorted(r.value for r in chosen)})")
+        site = SyncSite(len(sites), node, op, pattern, caches, records[0].source, arguments,
+                        chosen=chosen.pop())
+        if site.recipe is Recipe.RERUN:
+            _plan_rerun(site, where)
         sites.append(site)
     return SyncPlan(sites)
+
+
+def _plan_rerun(site: SyncSite, where: str) -> None:
+    """A re-run site's per-row inputs, the slot mappings among them and those the op writes. A
+    context-addressed site's rows are addressed by the resolver's slots role instead (read at run
+    time), so its inputs hold no slot argument."""
+    pattern = site.pattern
+    site.row_args = dict(pattern.row_args)
+    for name in site.row_args:
+        _tensor_node(site.arguments, name, where)
+    site.mutated_row_args = tuple(name for name in written_arg_names(site.node) if name in site.row_args)
+    if site.context is not None:
+        return
+    site.slot_args = tuple(sorted({r.slots for r in pattern.caches} & set(site.row_args)))
+    missing = {r.slots for r in pattern.caches} - set(site.row_args)
+    if missing:
+        raise PlanError(f"{where}: re-run pattern {pattern.name} must list slot args "
+                        f"{sorted(missing)} among its row_args")

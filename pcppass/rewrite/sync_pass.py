@@ -55,9 +55,10 @@ ON_UNCOVERED: tuple[OnUncovered, ...] = ("raise", "replicate", "unsafe_ignore")
 
 #: modules whose source decides what the pass emits (hashed into :meth:`PcpSyncPass.uuid`)
 _SOURCE_MODULES = (
-    "pcppass.analysis.classify", "pcppass.analysis.defuse", "pcppass.analysis.records",
-    "pcppass.analysis.schema", "pcppass.analysis.state_writes", "pcppass.analysis.views",
-    "pcppass.checks", "pcppass.kernels.rows", "pcppass.registry", "pcppass.rewrite.insert",
+    "pcppass.analysis.classify", "pcppass.analysis.defuse", "pcppass.analysis.recipes",
+    "pcppass.analysis.records", "pcppass.analysis.schema", "pcppass.analysis.state_writes",
+    "pcppass.analysis.views", "pcppass.checks", "pcppass.kernels.rerun_context", "pcppass.kernels.rows",
+    "pcppass.registry", "pcppass.rewrite.insert",
     "pcppass.rewrite.overlap", "pcppass.rewrite.peer_store",
     "pcppass.rewrite.plan", "pcppass.rewrite.slot_checks", "pcppass.rewrite.stage",
     "pcppass.rewrite.sync_pass", "pcppass.runtime.validate", "pcppass.spec",

@@ -29,9 +29,10 @@ except ImportError as exc:  # the integration is optional; say what is missing
 
 from pcppass.integrations.vllm.context import RESOLVER, UnsupportedLayer, describe, resolve
 from pcppass.integrations.vllm.effects import effect
+from pcppass.integrations.vllm.state import rerun
 from pcppass.registry import register_resolver
 
-register_resolver(RESOLVER, resolve, describe=describe, effect=effect)
+register_resolver(RESOLVER, resolve, describe=describe, effect=effect, rerun=rerun)
 
 from pcppass.integrations.vllm.audit import audit_model_dir, audit_vllm  # noqa: E402
 from pcppass.integrations.vllm.compile import VllmBackend, audit_backend, backend  # noqa: E402

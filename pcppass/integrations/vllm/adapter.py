@@ -3,10 +3,13 @@
 :class:`VllmModel` follows pcppass's model contract (``docs/MODEL_CONTRACT.md``) around a model
 vLLM loaded: the engine allocates one cache per attention layer in the layout vLLM's attention
 backend reads (``[num_blocks, heads, block_size, 2 * head_size]`` for ``CPU_ATTN``,
-``[num_blocks, 1, block_size, 576]`` for MLA), and every step
+``[num_blocks, 1, block_size, 576]`` for MLA) and, for a hybrid model's recurrent layers, one raw
+page per state line (``[lines, 1, 1, page bytes]``, in a cache group whose block covers a whole
+request, so the block number is the request's state line), and every step
 
 1. binds the engine's caches to the layers (``layer.kv_cache``, vLLM's own ``bind_kv_cache``),
-2. builds the backend's attention metadata from the step's meta (vLLM's metadata builder),
+2. builds each backend's metadata from the step's meta (vLLM's metadata builders, one per kind of
+   layer, over its group's block table),
 3. runs vLLM's model inside vLLM's forward context (``set_forward_context``, with the per-layer
    slot mappings), where ``vllm::unified_kv_cache_update`` finds the cache and the slots.
 
@@ -39,7 +42,7 @@ from torch import nn
 from pcppass.checks import SyncChecks
 from pcppass.compiler import Inner, OnUncovered, PcpBackend
 from pcppass.engine.contract import (
-    QUERY_START_LOC, SEQ_LENS, CacheGroupSpec, CacheSpec, slot_key, table_key,
+    QUERY_START_LOC, SEQ_LENS, TOKEN_TO_REQ, CacheGroupSpec, CacheSpec, slot_key, table_key,
 )
 from pcppass.engine.runner import Engine
 from pcppass.errors import PcpError
@@ -48,8 +51,11 @@ from pcppass.runtime.stats import SYNC_COUNTERS
 from pcppass.sharded import ShardedRunner, StepSync
 
 
-#: the engine's one cache group: every attention layer of the model shares its block table
+#: the engine's cache group of the attention layers (one block table for all of them)
 GROUP = "attn"
+#: the engine's cache group of the state layers: one block per request, covering its whole length
+#: (vLLM's ``mamba_cache_mode="none"``), whose number is the request's state line
+STATE_GROUP = "state"
 
 
 def init_vllm_ranks(vllm_config: Any, rank: int, world: int, *, timeout_s: float = 300.0) -> None:
@@ -115,6 +121,33 @@ class _Layer:
     spec: Any  # vLLM's KV cache spec of the layer
     block_shape: tuple[int, ...]
     dtype: torch.dtype
+    group: str = GROUP
+
+
+def _state_layer(name: str, module: nn.Module, vllm_config: Any) -> _Layer:
+    """A state layer's cache: one raw page per line, ``[lines, 1, 1, page bytes]`` int8, which
+    vLLM's own ``MambaBase.bind_kv_cache`` unpacks into the layer's states."""
+    from pcppass.integrations.vllm.state import check_state_layer
+
+    check_state_layer(module, name)
+    spec = module.get_kv_cache_spec(vllm_config)
+    max_len = vllm_config.model_config.max_model_len
+    if spec.block_size < max_len:
+        raise PcpError(f"vLLM layer {name}: a state block of {spec.block_size} tokens, shorter than a request "
+                       f"({max_len}): one state line per request needs mamba_cache_mode 'none'")
+    return _Layer(name, module, spec, (1, 1, spec.page_size_bytes), torch.int8, STATE_GROUP)
+
+
+def _use_cpu_state_update_kernels(vllm_config: Any, layers: list[_Layer]) -> None:
+    """vLLM's Mamba selective-state-update backend, chosen as vLLM's worker chooses it when it
+    allocates the caches (the CPU kernel on a CPU platform)."""
+    from vllm.model_executor.layers.mamba.ops.ssu_dispatch import initialize_mamba_ssu_backend
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([layer.name], layer.spec) for layer in layers if layer.group == STATE_GROUP]
+    if groups:
+        initialize_mamba_ssu_backend(vllm_config.mamba_config, KVCacheConfig(0, [], groups),
+                                     use_replayssm=vllm_config.cache_config.use_replayssm)
 
 
 class VllmModel(nn.Module):
@@ -126,6 +159,8 @@ class VllmModel(nn.Module):
         from vllm.model_executor.layers.attention.mla_attention import MLAAttention
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
         from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layer_kv_cache_shape_bytes
+
+        from pcppass.integrations.vllm.state import is_state_layer
 
         self.vllm_config = vllm_config
         self.model = model
@@ -139,36 +174,65 @@ class VllmModel(nn.Module):
                 if moe_dispatch_op:
                     use_moe_dispatch_op(module)
                 continue
+            if is_state_layer(module):
+                self._layers.append(_state_layer(name, module, vllm_config))
+                continue
             if not isinstance(module, (Attention, MLAAttention)):
                 raise PcpError(f"vLLM layer {name} is a {type(module).__name__}: only full attention, "
-                               "MLA and MoE layers run under pcppass.engine")
+                               "MLA, MoE and reviewed state layers run under pcppass.engine")
             spec = module.get_kv_cache_spec(vllm_config)
             if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
                 raise PcpError(f"vLLM layer {name}: KV cache spec {type(spec).__name__} is not full attention")
             heads, block, width = compute_layer_kv_cache_shape_bytes(spec, 1)[1:]
             itemsize = torch.empty((), dtype=spec.dtype).element_size()
             self._layers.append(_Layer(name, module, spec, (heads, block, width // itemsize), spec.dtype))
-        sizes = {layer.spec.block_size for layer in self._layers}
-        if len(sizes) != 1:
-            raise PcpError(f"vLLM layers use block sizes {sorted(sizes)}: one group needs one")
-        self.block_size = sizes.pop()
+        #: block size of each cache group present (attention layers, state layers)
+        self.block_sizes: dict[str, int] = {}
+        for group in (GROUP, STATE_GROUP):
+            sizes = {layer.spec.block_size for layer in self._layers if layer.group == group}
+            if len(sizes) > 1:
+                raise PcpError(f"vLLM layers of group {group} use block sizes {sorted(sizes)}: one group needs one")
+            if sizes:
+                self.block_sizes[group] = sizes.pop()
         self.is_mla = any(isinstance(layer.module, MLAAttention) for layer in self._layers)
-        first = self._layers[0]
-        self._builder = first.module.attn_backend.get_builder_cls()(
-            first.spec, [layer.name for layer in self._layers], vllm_config, torch.device("cpu"))
+        #: state layers (one state line per request): prefix caching cannot share their blocks
+        self.has_state = STATE_GROUP in self.block_sizes
+        self._builders = self._metadata_builders()
+        _use_cpu_state_update_kernels(vllm_config, self._layers)
         self._bound: dict[str, int] = {}
+
+    def _metadata_builders(self) -> list[tuple[str, Any, list[str]]]:
+        """``(group, builder, layer names)``: the attention layers share their backend's builder;
+        state layers get one per builder class (each kind of state layer builds its own metadata)."""
+        by_class: dict[type, list[_Layer]] = {}
+        for layer in self._layers:
+            backend = layer.module.attn_backend if layer.group == GROUP else layer.module.get_attn_backend()
+            by_class.setdefault(backend.get_builder_cls(), []).append(layer)
+        return [(members[0].group,
+                 cls(members[0].spec, [layer.name for layer in members], self.vllm_config, torch.device("cpu")),
+                 [layer.name for layer in members])
+                for cls, members in by_class.items()]
 
     @property
     def layer_names(self) -> list[str]:
         return [layer.name for layer in self._layers]
 
+    @property
+    def attention_layer_names(self) -> list[str]:
+        return [layer.name for layer in self._layers if layer.group == GROUP]
+
+    @property
+    def block_size(self) -> int | None:
+        """The attention layers' block size (None: a model without attention layers)."""
+        return self.block_sizes.get(GROUP)
+
     # -- the model contract ------------------------------------------------------------------
 
     def cache_groups(self) -> list[CacheGroupSpec]:
-        return [CacheGroupSpec(GROUP, self.block_size)]
+        return [CacheGroupSpec(group, size) for group, size in self.block_sizes.items()]
 
     def cache_specs(self) -> list[CacheSpec]:
-        return [CacheSpec(layer.name, GROUP, layer.block_shape, layer.dtype) for layer in self._layers]
+        return [CacheSpec(layer.name, layer.group, layer.block_shape, layer.dtype) for layer in self._layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: dict[str, torch.Tensor],
                 caches: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -196,20 +260,28 @@ class VllmModel(nn.Module):
         from vllm.forward_context import set_forward_context
 
         self.bind(caches)
-        common = self.common_metadata(meta)
-        slots = meta[slot_key(GROUP)]
         with set_current_vllm_config(self.vllm_config):
-            metadata = self._builder.build(0, common) if common is not None else None
-            per_layer = {name: metadata for name in self.layer_names} if metadata is not None else None
-            with set_forward_context(per_layer, self.vllm_config, num_tokens=int(slots.shape[0]),
-                                     slot_mapping={name: slots for name in self.layer_names}):
+            per_layer: dict[str, Any] | None = {}
+            for group, builder, names in self._builders:
+                common = self.common_metadata(meta, group)
+                if common is None:  # all padding: no metadata, the ops write nothing
+                    per_layer = None
+                    break
+                metadata = builder.build(0, common)
+                per_layer.update((name, metadata) for name in names)
+            rows = int(meta[TOKEN_TO_REQ].shape[0])
+            slots = {name: meta[slot_key(GROUP)] for name in self.attention_layer_names}
+            with set_forward_context(per_layer, self.vllm_config, num_tokens=rows, slot_mapping=slots):
                 yield
 
-    def common_metadata(self, meta: dict[str, torch.Tensor]) -> Any:
-        """vLLM's ``CommonAttentionMetadata`` of the step's real requests (None: all padding).
+    def common_metadata(self, meta: dict[str, torch.Tensor], group: str = GROUP) -> Any:
+        """vLLM's ``CommonAttentionMetadata`` of the step's real requests in ``group`` (None: all
+        padding). A state group's block table holds each request's state line.
 
         The engine pads requests to the row count; padding requests (no rows) are dropped here,
         padding rows keep slot -1 (vLLM's kernels skip them) and lie past ``num_actual_tokens``.
+        A request is prefilling when it has several rows or none before this step (a one-token
+        chunk that continues a prompt counts as a decode, as vLLM's state builders treat it).
         """
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -230,9 +302,10 @@ class VllmModel(nn.Module):
             query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=num_reqs,
             num_actual_tokens=num_tokens, max_query_len=int(query_lens.max()),
             max_seq_len=int(seq.max()),
-            block_table_tensor=meta[table_key(GROUP)][:num_reqs].to(torch.int32),
-            slot_mapping=meta[slot_key(GROUP)][:num_tokens],
+            block_table_tensor=meta[table_key(group)][:num_reqs].to(torch.int32),
+            slot_mapping=meta[slot_key(group)][:num_tokens],
             seq_lens_cpu_upper_bound=seq,
+            is_prefilling=(query_lens > 1) | (seq == query_lens),
         )
 
 
@@ -289,6 +362,8 @@ def sharded_vllm_engine(model: VllmModel, runner: VllmRunner, *, world: int, ran
                         group: dist.ProcessGroup | None = None, **config: Any) -> Engine:
     """An engine over ``model`` whose decode steps are sharded round-robin over ``world`` ranks
     through ``runner`` and whose mixed steps run replicated (:class:`ReplicatedMixedEngine`)."""
-    config.setdefault("enable_prefix_caching", not model.is_mla)
+    # prefix caching is off for MLA on CPU (vLLM's CPU MLA backend) and for state layers (one
+    # state line per request: a shared prefix block would share a request's state)
+    config.setdefault("enable_prefix_caching", not (model.is_mla or model.has_state))
     return ReplicatedMixedEngine(model, world=world, rank=rank, group=group, policy="round_robin",
                                  partition_prefill=False, runner=runner, **config)

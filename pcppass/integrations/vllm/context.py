@@ -19,7 +19,12 @@ layout              ``layer.kv_cache``                               roles retur
 ``FLASHINFER``)
 MLA backends        ``[B, N, C]`` (``C``: 576 values, or 656 bytes    ``kv_cache``
                     for ``fp8_ds_mla``)
+state layers        a tuple of ``[lines, *shape]`` states (Mamba2,    each state as ``[lines, 1,
+(``MambaBase``)     short conv, gated delta net)                      *shape]`` and ``state_lines``
 ==================  ==============================================  =============================
+
+State layers (one state line per request, :mod:`.state`) also get ``state_lines``: per token, the
+line its request's state ends in.
 
 The layout is that of the layer's backend class (:func:`.effects.backend_layout`: a reviewed
 class, or a subclass keeping its layout methods), never read from the name the backend gives
@@ -39,6 +44,7 @@ from typing import Any, Mapping
 import torch
 
 from pcppass.integrations.vllm.effects import backend_layout
+from pcppass.integrations.vllm.state import describe_state, is_state_layer, resolve_state
 
 #: the name patterns refer to (``WritePattern(resolver=RESOLVER)``)
 RESOLVER = "vllm"
@@ -126,6 +132,8 @@ def resolve(name: str) -> Mapping[str, torch.Tensor]:
     from vllm.forward_context import get_forward_context
 
     layer = layer_named(name)
+    if is_state_layer(layer):
+        return resolve_state(layer, name)
     kv_cache = layer.kv_cache
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
         return {}
@@ -146,6 +154,8 @@ def describe(name: str) -> Mapping[str, torch.Tensor]:
     every backend accepts) is replaced by the real cache's at run time.
     """
     layer = layer_named(name)
+    if is_state_layer(layer):
+        return describe_state(layer, name)
     _check_supported(layer, name)
     if _is_mla(layer):
         from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes

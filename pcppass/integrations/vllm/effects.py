@@ -21,6 +21,9 @@ op                                      effect
 ``unified_mla_attention_with_output``   reviewed MLA backend, no HiSparse cache: only reads
 ``moe_forward``, ``moe_forward_shared`` an MoE layer with no EPLB load recording, no
                                         routing replay or capture: writes only its outputs
+``mamba_mixer2``, ``short_conv``,       a reviewed state layer (:mod:`.state`): writes every
+``cpu_gdn_attention_core``              state of its rows' lines; a re-run is exact where its
+                                        kernel was verified batch-invariant
 ======================================  ===================================================
 
 A backend is identified by its class (module and qualified name), never by ``get_name()``: a
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from pcppass.integrations.vllm.state import STATE_OPS, state_effect
 from pcppass.registry import HandleEffect
 
 #: the vLLM releases whose source the reviews below (and ``patterns/vllm_*.py``) were read in
@@ -210,6 +214,7 @@ OP_EFFECTS: dict[str, Callable[[Any, str], HandleEffect]] = {
     "vllm::unified_mla_attention_with_output": mla_attention_effect,
     "vllm::moe_forward": moe_effect,
     "vllm::moe_forward_shared": moe_effect,
+    **{op: state_effect(op) for op in STATE_OPS},
 }
 
 
