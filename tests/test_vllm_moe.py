@@ -3,7 +3,7 @@
 On CUDA, ROCm and XPU vLLM runs every MoE layer through ``vllm::moe_forward`` (or
 ``moe_forward_shared`` with a shared expert), an op that fetches the layer by name; on the CPU it
 traces the MoE inline. Here the GPU dispatch is selected on the CPU (the same op, the same
-``MoERunner._forward_impl`` inside: :func:`pcppass.integrations.vllm.adapter.use_moe_dispatch_op`),
+``MoERunner._forward_impl`` inside: :func:`pcppass.integrations.vllm.loaders.use_moe_dispatch_op`),
 so the graph pcppass rewrites holds the op GPU users get.
 
 * Qwen3-MoE (``moe_forward``) and DeepSeek-V2 with MoE in every layer and a shared expert (MLA,

@@ -47,6 +47,7 @@ from pcppass.engine.contract import (
 from pcppass.engine.runner import Engine
 from pcppass.errors import PcpError
 from pcppass.integrations.vllm.engine_args import cpu_engine_args
+from pcppass.integrations.vllm.loaders import use_moe_dispatch_op
 from pcppass.runtime.stats import SYNC_COUNTERS
 from pcppass.sharded import ShardedRunner, StepSync
 
@@ -102,16 +103,6 @@ def load_model(vllm_config: Any) -> nn.Module:
     _set_torch_accelerator_to_noop()
     with set_current_vllm_config(vllm_config):
         return get_model(vllm_config=vllm_config)
-
-
-def use_moe_dispatch_op(layer: Any) -> None:
-    """Run an MoE layer through ``vllm::moe_forward`` / ``moe_forward_shared`` (vLLM's dispatch on
-    CUDA, ROCm and XPU) instead of the CPU path that Dynamo traces inline: the graph then holds the
-    op GPU users get, with the same arithmetic inside (``MoERunner._forward_impl``)."""
-    import torch
-
-    op = torch.ops.vllm.moe_forward if layer.shared_experts is None else torch.ops.vllm.moe_forward_shared
-    layer._forward_entry = op
 
 
 @dataclass(frozen=True)

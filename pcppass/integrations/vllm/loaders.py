@@ -66,18 +66,21 @@ def fill_dummy(param: torch.Tensor, tiles: dict) -> None:
             flat[whole * _TILE:].copy_(tile[:rest])
 
 
+def use_moe_dispatch_op(layer: nn.Module) -> None:
+    """Run one ``MoERunner`` through ``vllm::moe_forward`` (``moe_forward_shared`` with shared
+    experts), as ``MoERunner._select_forward`` does off the CPU."""
+    shared = layer.shared_experts is not None
+    layer._forward_entry = torch.ops.vllm.moe_forward_shared if shared else torch.ops.vllm.moe_forward
+
+
 def force_moe_op_dispatch(model: nn.Module) -> int:
-    """Switch every ``MoERunner`` of ``model`` to ``vllm::moe_forward`` (``moe_forward_shared`` with
-    shared experts), as ``MoERunner._select_forward`` does off the CPU; returns how many."""
+    """Switch every ``MoERunner`` of ``model`` to the dispatch op; returns how many."""
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-    count = 0
-    for module in model.modules():
-        if isinstance(module, MoERunner):
-            shared = module.shared_experts is not None
-            module._forward_entry = torch.ops.vllm.moe_forward_shared if shared else torch.ops.vllm.moe_forward
-            count += 1
-    return count
+    runners = [module for module in model.modules() if isinstance(module, MoERunner)]
+    for runner in runners:
+        use_moe_dispatch_op(runner)
+    return len(runners)
 
 
 def _split_options(load_config: Any, **changes: Any) -> tuple[Any, str]:
