@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.fx
 
 from pcppass.analysis import StateWrite
+import pcppass.kernels.collectives  # noqa: F401  (registers pcppass::all_gather_watched)
 from pcppass.checks import SyncChecks
 from pcppass.errors import PcpSyncError
 from pcppass.rewrite.insert import Schedule, SyncRewrite
@@ -184,7 +185,8 @@ class PcpBackend:
         if result.mode == "replicated":
             self._refuse_if_sharded_only(report)
         if result.rewrite is None:
-            return self._compile_inner(gm, example_inputs)
+            compiled = self._compile_inner(gm, example_inputs)
+            return self._one_rank_only(compiled) if result.mode == "single_rank" else compiled
         report.rewrite = result.rewrite
         report.all_gather_nodes = count_all_gathers(gm)
         report.transport = transports_of(gm)
@@ -194,11 +196,15 @@ class PcpBackend:
         if self.checks.compile_fingerprint:
             try:
                 exchange_fingerprint(result.rewrite.fingerprint, result.group, namespace=self.name,
-                                     timeout_s=self.checks.fingerprint_timeout_s)
+                                     timeout_s=self.checks.fingerprint_timeout_s,
+                                     inputs=result.rewrite.inputs)
             except PcpSyncError as exc:
                 # A rank that compiled alone has peers waiting in a collective of the old graph.
                 del result  # a gloo group closes its connections only once no frame holds it
                 raise_fail_stop(exc, self.group, rank, f"compiling the {self.name} graph")
+        device = _cuda_device(example_inputs)
+        if device is None and watch is not None:
+            watch_host_collectives(gm)
         compiled = self._compile_inner(gm, example_inputs)
         checks = self.checks
         if report.uncovered and self.on_uncovered == "unsafe_ignore":
@@ -207,12 +213,32 @@ class PcpBackend:
             checks = dataclasses.replace(checks, state_digest=False)
         compiled = checking_state(compiled, gm, self.group, checks, rank, self.history)
         validator = InputValidator.from_plan(gm, result.plan, rank=rank) if self.checks.inputs else None
-        device = _cuda_device(example_inputs)
         if device is not None:  # checks on the device, raised before the next step (no host read)
             compiled = device_checks.checking(compiled, device, validator and DeviceSlotChecks.of(validator))
         elif validator is not None:
             compiled = validating(compiled, validator)
         return self._counting(fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch))
+
+    def _one_rank_only(self, step: Callable) -> Callable:
+        """``step``, a graph compiled for one rank (no sync), refused before it runs on a group of
+        several ranks: Dynamo's guards do not cover the world size, so a graph compiled before
+        ``init_process_group`` (a warm-up call) would be reused, unsynchronised, after it."""
+        if self.group is not None:
+            return step  # an explicit group of one rank stays one rank
+        name = self.name
+
+        def run(*args: Any) -> Any:
+            if dist.is_available() and dist.is_initialized() and (world := dist.get_world_size()) > 1:
+                raise PcpSyncError(
+                    f"pcppass: this {name} graph was compiled for one rank (no process group of "
+                    f"several ranks existed when Dynamo compiled it: a call before "
+                    f"init_process_group?) and now runs on {world} ranks: it has no replica sync, so "
+                    "each rank would keep only its own rows. Refused before it ran: nothing was "
+                    "written. Compile the step after init_process_group (torch._dynamo.reset() "
+                    "drops the graphs compiled before).")
+            return step(*args)
+
+        return run
 
     def _counting(self, step: Callable) -> Callable:
         """``step`` that counts its calls in :attr:`calls` (an engine can tell that Dynamo ran a
@@ -277,6 +303,21 @@ def refusing(error: Exception) -> Callable:
 
 def _cuda_device(example_inputs: Sequence[Any]) -> torch.device | None:
     return next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
+
+
+def watch_host_collectives(gm: torch.fx.GraphModule) -> int:
+    """Swap every functional all-gather of a host (gloo) graph for ``pcppass::all_gather_watched``
+    (:mod:`pcppass.kernels.collectives`: the same collective, whose wait ends with an error once
+    the liveness watch declares a peer dead, where gloo's own wait ends only at the process-group
+    timeout). Done after the fingerprint and the collective count, which name the functional op.
+    Returns how many were swapped."""
+    functional = torch.ops._c10d_functional.all_gather_into_tensor.default
+    nodes = gm.graph.find_nodes(op="call_function", target=functional)
+    for node in nodes:
+        node.target = torch.ops.pcppass.all_gather_watched.default
+    if nodes:
+        gm.recompile()
+    return len(nodes)
 
 
 def count_all_gathers(gm: torch.fx.GraphModule) -> int:
