@@ -18,6 +18,7 @@ from pcppass.checks import SyncChecks
 from pcppass.analysis import audit, find_state_writes
 from pcppass.compiler import PcpBackend, PcpSyncPass, backend
 from pcppass.step import ShardedStep, compile
+from pcppass.runtime.failstop import fail_stop
 from pcppass.engine import Engine
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "audit",
     "backend",
     "compile",
+    "fail_stop",
     "find_state_writes",
     "register_pattern",
     "unregister_pattern",

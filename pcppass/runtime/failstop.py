@@ -10,12 +10,13 @@ then says that a peer stopped, and the failing rank's error names the cause.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import sys
 import traceback
 import types
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch.distributed as dist
 
@@ -163,6 +164,21 @@ def raise_fail_stop(exc: BaseException, group: dist.ProcessGroup | None, rank: i
     if error is exc:
         raise exc
     raise error from exc
+
+
+@contextlib.contextmanager
+def fail_stop(group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Run a rank's sharded steps inside this block: an exception escaping it (the caller's own
+    code between steps included) aborts ``group`` (None: every group) and marks this rank failed
+    for the peers' liveness watches, so a peer waiting for this rank in a collective fails within
+    seconds although this process lives on (a server that catches the error). A
+    :class:`PcpCoverageError` (every rank refuses the same graph) leaves the group as it is."""
+    try:
+        yield
+    except BaseException as exc:
+        if not isinstance(exc, PcpCoverageError) and not getattr(exc, "from_fail_stop", False):
+            abort_group(group)
+        raise
 
 
 def fail_stopping(step: Callable, group: dist.ProcessGroup | None, rank: int | None,
