@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.fx
 
 from pcppass.analysis import StateWrite
-import pcppass.kernels.collectives  # noqa: F401  (registers pcppass::all_gather_watched)
+import pcppass.kernels.collectives  # noqa: F401  (registers pcppass::all_gather_start / _wait)
 from pcppass.checks import SyncChecks
 from pcppass.errors import PcpSyncError
 from pcppass.rewrite.insert import Schedule, SyncRewrite
@@ -306,18 +306,24 @@ def _cuda_device(example_inputs: Sequence[Any]) -> torch.device | None:
 
 
 def watch_host_collectives(gm: torch.fx.GraphModule) -> int:
-    """Swap every functional all-gather of a host (gloo) graph for ``pcppass::all_gather_watched``
-    (:mod:`pcppass.kernels.collectives`: the same collective, whose wait ends with an error once
-    the liveness watch declares a peer dead, where gloo's own wait ends only at the process-group
-    timeout). Done after the fingerprint and the collective count, which name the functional op.
-    Returns how many were swapped."""
-    functional = torch.ops._c10d_functional.all_gather_into_tensor.default
-    nodes = gm.graph.find_nodes(op="call_function", target=functional)
-    for node in nodes:
-        node.target = torch.ops.pcppass.all_gather_watched.default
-    if nodes:
+    """Swap every functional all-gather of a host (gloo) graph, and the ``wait_tensor`` of its
+    result, for ``pcppass::all_gather_start`` / ``pcppass::all_gather_wait``
+    (:mod:`pcppass.kernels.collectives`: the same collective, started and waited for where the
+    graph does, whose wait ends with an error once the liveness watch declares a peer dead, where
+    gloo's own ends only at the process-group timeout). Done after the fingerprint and the
+    collective count, which name the functional ops. Returns how many were swapped."""
+    functional = torch.ops._c10d_functional
+    starts = gm.graph.find_nodes(op="call_function", target=functional.all_gather_into_tensor.default)
+    for start in starts:
+        group_name = start.args[2]
+        start.target = torch.ops.pcppass.all_gather_start.default
+        for user in list(start.users):
+            if user.target is functional.wait_tensor.default:
+                user.target = torch.ops.pcppass.all_gather_wait.default
+                user.args = (start, group_name)
+    if starts:
         gm.recompile()
-    return len(nodes)
+    return len(starts)
 
 
 def count_all_gathers(gm: torch.fx.GraphModule) -> int:

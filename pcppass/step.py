@@ -9,10 +9,10 @@ around the backend, and each of those runs a step with no replica sync and no er
   ``autograd.Function`` calling ``ctx.mark_dirty``, on the first statement or inside a loop) makes
   Dynamo raise while tracing, before the step runs: raised as :class:`PcpGraphBreakError`;
 * **Dynamo compiles**: a step that Dynamo would run eagerly, calling no backend
-  (``torch._dynamo.config.disable``, a compiler stance other than ``"default"`` /
-  ``"fail_on_recompile"``: ``force_eager``, ``eager_on_recompile``, ...), is refused before it
-  runs (:func:`refuse_if_dynamo_runs_eagerly`); a step that ran without any of the backend's graphs
-  anyway is named right after it (:func:`check_graph_ran`);
+  (``torch._dynamo.config.disable`` or ``suppress_errors``, a compiler stance other than
+  ``"default"`` / ``"fail_on_recompile"``: ``force_eager``, ``eager_on_recompile``, ...), is
+  refused before it runs (:func:`refuse_if_dynamo_runs_eagerly`); a step that ran without any of
+  the backend's graphs anyway is named right after it (:func:`check_graph_ran`);
 * **a graph compiled for another world size** (a warm-up before ``init_process_group``) is refused
   by the backend before it runs (:meth:`pcppass.compiler.PcpBackend`);
 * **fail-stop**: whatever fails on this rank during the step, pcppass's checks or not (a Dynamo
@@ -160,12 +160,16 @@ def run_graph(graph: Callable, *args: Any, **kwargs: Any) -> Any:
 
 def refuse_if_dynamo_runs_eagerly(what: str) -> None:
     """Raise before a sharded step that Dynamo would run eagerly, with no backend and no sync:
-    ``torch._dynamo.config.disable`` (``TORCHDYNAMO_DISABLE=1``) or a compiler stance that runs
-    frames, or recompiles, eagerly (``torch.compiler.set_stance("force_eager")``,
-    ``"eager_on_recompile"``, ``"eager_then_compile"``, or any stance this check does not know)."""
+    ``torch._dynamo.config.disable`` (``TORCHDYNAMO_DISABLE=1``),
+    ``torch._dynamo.config.suppress_errors``, or a compiler stance that runs frames, or recompiles,
+    eagerly (``torch.compiler.set_stance("force_eager")``, ``"eager_on_recompile"``,
+    ``"eager_then_compile"``, or any stance this check does not know)."""
     reason = None
     if torch._dynamo.config.disable:
         reason = "torch._dynamo.config.disable is set (TORCHDYNAMO_DISABLE)"
+    elif torch._dynamo.config.suppress_errors:
+        reason = ("torch._dynamo.config.suppress_errors is on (Dynamo runs a frame eagerly when "
+                  "compiling it fails, even past the recompile limit)")
     else:
         stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", None)
         if stance not in _COMPILING_STANCES:

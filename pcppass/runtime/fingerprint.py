@@ -83,5 +83,6 @@ def _differing_inputs(every_rank: list[str]) -> str:
     differing = [lines for lines in zip(*per_rank) if len(set(lines)) > 1]
     if not differing:
         return ""
-    shown = "; ".join(" / ".join(f"rank {r}: {line}" for r, line in enumerate(lines)) for lines in differing[:3])
+    shown = "; ".join(" / ".join(f"rank {r}: {line}" for r, line in enumerate(lines))
+                      for lines in differing[:3])
     return f"Inputs traced differently: {shown}. "

@@ -374,8 +374,9 @@ def live_watches() -> list[PeerWatch]:
 @atexit.register
 def _stop_watches() -> None:
     """At exit: a rank says it left, with the sharded steps it finished (peers still running must
-    not call it dead, and a peer running a later step must not wait for it); every heartbeat thread stops before the interpreter and the store's server go
-    (a thread left in a store call then would abort the process)."""
+    not call it dead, and a peer running a later step must not wait for it); every heartbeat
+    thread stops before the interpreter and the store's server go (a thread left in a store call
+    then would abort the process)."""
     for watch in list(_watches.values()):
         if watch.verdict is None:
             watch._leave()  # the group destroyed, or this process ending with it: it left
