@@ -15,10 +15,17 @@ partitioned prefill breaks that, and no graph analysis can see it, so pcppass ne
 1. runs the pass: stage check, analysis, coverage decision, sync plan and insertion;
 2. refuses a recompile that would run replicated once an engine shards decode on the strength of
    earlier compiles (``sharded_only``);
-3. checks that every rank rewrote the same graph (fingerprints through the c10d store, with a
-   timeout), hands the graph to the inner compiler (Inductor, aot_eager or eager) and wraps the
-   compiled step with input validation (:mod:`pcppass.runtime.validate`), the state rebinding
-   check and the cross-rank state digest check (:mod:`pcppass.runtime.state_checks`).
+3. checks that every rank rewrote the same graph for the same input shapes (fingerprints
+   through the c10d store, with a timeout), on the host has the graph's all-gathers waited for
+   through the liveness watch (:mod:`pcppass.kernels.collectives`), hands the graph to the inner
+   compiler (Inductor, aot_eager or eager) and wraps the compiled step with input validation
+   (:mod:`pcppass.runtime.validate`), the state rebinding check and the cross-rank state digest
+   check (:mod:`pcppass.runtime.state_checks`);
+4. refuses a graph compiled for one rank (no sync) once the default group has several ranks
+   (Dynamo would reuse a graph compiled before ``init_process_group``).
+
+:func:`pcppass.compile` (:mod:`pcppass.step`) adds what only a wrapper around the compiled step
+can: refusing a step Dynamo would run without calling this backend.
 
 Failures are fail-stop: a rank that fails a check its peers passed (bad inputs on that rank, a
 compile the others did not make) or whose step fails aborts the process group before raising, so
@@ -42,8 +49,8 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from pcppass.analysis import StateWrite
 import pcppass.kernels.collectives  # noqa: F401  (registers pcppass::all_gather_start / _wait)
+from pcppass.analysis import StateWrite
 from pcppass.checks import SyncChecks
 from pcppass.errors import PcpSyncError
 from pcppass.rewrite.insert import Schedule, SyncRewrite

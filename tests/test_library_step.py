@@ -6,7 +6,9 @@ Every step moves ownership: request ``q`` writes its own slot each step and is o
 runs on a freshly initialised world group (a refusal aborts the group) and ends by comparing the
 caches bitwise across ranks. Expected, before anything is written:
 
-* ``pcppass.compile`` runs decode steps (deferred) and mixed steps (immediate) exactly as one rank;
+* ``pcppass.compile`` runs decode steps (deferred) and mixed steps (immediate) exactly as one rank,
+  ``step(...)`` also a step whose ranks read each other's rows (``step.decode(...)`` on it, the
+  control, does not: deferred is the caller's declaration, call by call);
 * a step Dynamo would run eagerly (``set_stance("force_eager")`` mid-run, ``"eager_on_recompile"``
   with a new row count) is refused with ``PcpSyncError``, the caches untouched;
 * a graph break anywhere in the step (inside a loop, a step that only calls a
@@ -46,11 +48,14 @@ NB, BS, H, D = 8, 4, 2, 8
 REQUESTS = 4
 #: process-group timeout of every case: a peer that waited for it would take this long
 PG_TIMEOUT_S = 60
-#: how long a failing rank stays alive after its error (a serving process would not exit)
-LINGER_S = 8
+#: a failing rank stays alive after its error (a serving process would not exit) until its peer
+#: has its outcome, at most this long
+LINGER_S = 20
 #: a peer's error must come this long after the failure at most (far below LINGER_S and the
 #: process-group timeout)
-BOUND_S = LINGER_S - 3
+BOUND_S = 10
+#: a directory both ranks see, for "the peer has its outcome" flags (set by _run_cases)
+_FLAGS = {"dir": ""}
 FAST_WATCH = SyncChecks(liveness_timeout_s=2.0, liveness_interval_s=0.25)
 
 
@@ -100,6 +105,11 @@ class _WriteAndMarkDirty(torch.autograd.Function):
 def mark_dirty_first(x, slots, k_cache, v_cache):
     _WriteAndMarkDirty.apply(k_cache, v_cache, x, slots)
     return x.sum(1)
+
+
+def reads_every_rank_rows(x, slots, all_slots, k_cache, v_cache):
+    kv_step(x, slots, k_cache, v_cache)
+    return k_cache.view(-1, H, D)[all_slots].sum((1, 2))  # a prefill-style read of every rank's rows
 
 
 def two_caches_step(x, slots, xb, slots_b, k_cache, v_cache, kb_cache, vb_cache):
@@ -177,6 +187,20 @@ def _sharded_like_one_rank(rank: int) -> dict:
             "backends": {kind: [r.mode for r in b.reports] for kind, b in step.backends.items()}}
 
 
+def _rows_read_across_ranks(rank: int) -> dict:
+    """``step(...)`` on a step whose ranks read each other's rows is exact; the same step declared
+    decode-only (``step.decode``) reads rows before they arrive (the control: why the deferred
+    schedule is a declaration, call by call)."""
+    step = pcppass.compile(reads_every_rank_rows, inner="eager")
+    caches, reference = _caches(), _caches()
+    exact = []
+    for i, run in enumerate((step, step.decode)):
+        every_slot = _rows(i, None)[1]
+        out = run(*_rows(i, rank), every_slot, *caches)
+        exact.append(torch.equal(out, reads_every_rank_rows(*_rows(i, None), every_slot, *reference)))
+    return {"any_step_exact": exact[0], "declared_decode_exact": exact[1], "equal": _replicas_equal(caches)}
+
+
 def _eager_stance(rank: int, stance: str) -> dict:
     step = pcppass.compile(kv_step, inner="eager")
     caches = _caches()
@@ -226,9 +250,19 @@ def _zero_and_one_rows(rank: int) -> dict:
 
 # -- cases: a rank failing outside pcppass's graph --------------------------------------------------
 
-def _linger(rank: int, failing: int) -> None:
-    if rank == failing:
-        time.sleep(LINGER_S)
+def _flag(name: str) -> str:
+    return os.path.join(_FLAGS["dir"], name)
+
+
+def _linger(rank: int, failing: int, case: str) -> None:
+    """The failing rank stays alive until its peer has its outcome (at most LINGER_S): a peer
+    released by the failing process's exit would not prove anything; the peer says it is done."""
+    if rank != failing:
+        open(_flag(case), "w").close()
+        return
+    deadline = time.monotonic() + LINGER_S
+    while not os.path.exists(_flag(case)) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _one_rank_recompile_limit(rank: int) -> dict:
@@ -242,7 +276,7 @@ def _one_rank_recompile_limit(rank: int) -> dict:
     if rank == 1:
         x = x.t().contiguous().t()  # other strides: a guard fails on rank 1 only
     out = _try(step.decode, x, slots, *caches)
-    _linger(rank, 1)
+    _linger(rank, 1, "recompile_limit")
     return out
 
 
@@ -260,22 +294,27 @@ def _user_error_between_steps(rank: int) -> dict:
     except Exception as exc:
         out = {"error": type(exc).__name__, "message": str(exc)}
     out["elapsed"] = time.monotonic() - t0
-    _linger(rank, 1)
+    _linger(rank, 1, "user_error")
     return out
 
 
 def _hung_peer(rank: int) -> dict:
-    """Rank 1 stops (SIGSTOP: its sockets stay open) between two steps; a helper process resumes
-    it after LINGER_S. Rank 0's step waits in the sync all-gather."""
+    """Rank 1 stops (SIGSTOP: its sockets stay open) between two steps, until rank 0 has its
+    outcome (a helper process resumes it after LINGER_S otherwise). Rank 0's step waits in the
+    sync all-gather."""
     compiled = torch.compile(kv_step, backend=PcpBackend(schedule="deferred", inner="eager", checks=FAST_WATCH),
                              fullgraph=True)
     caches = _caches()
     compiled(*_rows(0, rank), *caches)
     if rank == 1:
+        with open(_flag("hung.pid"), "w") as f:
+            f.write(str(os.getpid()))
         subprocess.Popen(["sh", "-c", f"sleep {LINGER_S}; kill -CONT {os.getpid()}"])
         os.kill(os.getpid(), signal.SIGSTOP)
         return {"error": None, "resumed": True}
     out = _try(compiled, *_rows(1, rank), *caches)
+    with open(_flag("hung.pid")) as f:
+        os.kill(int(f.read()), signal.SIGCONT)
     return out
 
 
@@ -288,13 +327,16 @@ def _peer_left(rank: int) -> dict:
     compiled(*_rows(0, rank), *caches)
     if rank == 1:
         dist.destroy_process_group()
-        time.sleep(3)
+        _linger(rank, 1, "peer_left")
         return {"error": None}
-    return _try(compiled, *_rows(1, rank), *caches)
+    out = _try(compiled, *_rows(1, rank), *caches)
+    _linger(rank, 1, "peer_left")
+    return out
 
 
 CASES = [
     ("sharded", _sharded_like_one_rank),
+    ("rows_read_across_ranks", _rows_read_across_ranks),
     ("force_eager", lambda rank: _eager_stance(rank, "force_eager")),
     ("eager_on_recompile", lambda rank: _eager_stance(rank, "eager_on_recompile")),
     ("break_in_loop", lambda rank: _graph_break(rank, break_in_loop)),
@@ -309,8 +351,9 @@ CASES = [
 ]
 
 
-def _run_cases(rank: int, world: int, ports: list[int]) -> dict:
+def _run_cases(rank: int, world: int, ports: list[int], flags: str) -> dict:
     warnings.filterwarnings("ignore")
+    _FLAGS["dir"] = flags
     out = {"compiled_before_init": _compiled_before_init(rank, ports[0])}
     for (name, case), port in zip(CASES, ports[1:]):
         _fresh_world(rank, port)
@@ -319,9 +362,9 @@ def _run_cases(rank: int, world: int, ports: list[int]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def outcomes() -> list[dict]:
+def outcomes(tmp_path_factory) -> list[dict]:
     ports = [free_port() for _ in range(len(CASES) + 1)]
-    return launch(_run_cases, 2, ports, timeout_s=300)
+    return launch(_run_cases, 2, ports, str(tmp_path_factory.mktemp("flags")), timeout_s=300)
 
 
 @pytest.mark.timeout(320)
@@ -329,6 +372,14 @@ def test_library_step_shards_exactly_like_one_rank(outcomes):
     for o in (r["sharded"] for r in outcomes):
         assert o["equal"] and o["like_one_rank"], o
         assert o["backends"] == {"mixed": ["sharded"], "decode": ["sharded"]}, o
+
+
+@pytest.mark.timeout(320)
+def test_any_step_is_exact_and_deferred_is_declared_call_by_call(outcomes):
+    for o in (r["rows_read_across_ranks"] for r in outcomes):
+        assert o["any_step_exact"] and o["equal"], o
+        # the control: the step that reads other ranks' rows, declared decode-only, reads them stale
+        assert not o["declared_decode_exact"], o
 
 
 @pytest.mark.timeout(320)
@@ -372,7 +423,7 @@ def test_an_error_on_one_rank_outside_pcppass_stops_its_peer_promptly(outcomes, 
     waiting, failing = outcomes[0][case], outcomes[1][case]
     assert failing["error"] in ("PcpSyncError", "ValueError"), failing
     assert waiting["error"] == "PcpSyncError" and "Rank 1 failed first" in waiting["message"], waiting
-    # rank 1 stays alive LINGER_S after its error: rank 0 stopped because of its abort
+    # rank 1 stays alive until rank 0 has its outcome: rank 0 stopped because of its abort
     assert waiting["elapsed"] < BOUND_S, waiting
 
 
@@ -381,7 +432,7 @@ def test_a_hung_peer_ends_the_wait_within_the_liveness_timeout(outcomes):
     waiting = outcomes[0]["hung_peer"]
     assert waiting["error"] == "PcpSyncError", waiting
     assert "Rank 1 stopped responding" in waiting["message"], waiting
-    assert waiting["elapsed"] < BOUND_S, waiting  # the hung rank is resumed only after LINGER_S
+    assert waiting["elapsed"] < BOUND_S, waiting  # the hung rank is resumed only after that
 
 
 @pytest.mark.timeout(320)

@@ -22,17 +22,21 @@ its last heartbeat; a failed one within one interval. The step's hot path does n
 works beside it (a few store round trips per interval, on its own connection to the store).
 
 Store keys, all updated with ``add`` (which never waits for a key), under
-``pcppass/live/{group}/``: ``beat/{r}`` (counter), ``state/{r}`` (0 running, -1 left cleanly: the
-group was destroyed by its owner, k > 0 failed as the k-th rank to fail, ``failures`` counts
-them). A peer that has not beaten yet (still compiling; the compile fingerprint exchange bounds
-that) or that left cleanly is never declared dead.
+``pcppass/live/{group}/``: ``beat/{r}`` (counter), ``state/{r}`` (0 running, -1 left: the group
+was destroyed by its owner or the process exits with it, k > 0 failed as the k-th rank to fail,
+``failures`` counts them), ``finished/{r}`` (the sharded steps a rank that left had finished). A
+peer that has not beaten yet (still compiling; the compile fingerprint exchange bounds that) or
+that left is never declared dead; one that left after fewer sharded steps than this rank has
+started is declared ``left``: it will never join this rank's step.
 
-Limits: on gloo a collective waiting on a peer whose sockets stay open (a hung, not dead,
-process) ends only at the process-group timeout (an abort does not interrupt it); its error then
-names the hung rank. If the store's host (global rank 0) dies, the store becomes unreachable:
-after ``liveness_timeout_s`` of failed store calls (retried every quarter of it) it is declared
-dead. A rank that exits without destroying its process group looks dead to peers that outlive it
-by more than the timeout: on NCCL they abort their group (harmless once no collective is left).
+On gloo nothing ends a collective waiting on a peer whose sockets stay open (a hung, not dead,
+process): an abort does not interrupt it. pcppass's host collectives therefore wait through
+:func:`wait_watched`, in slices of one interval, and raise once the watch has a verdict.
+
+Limits: a gloo collective waited for otherwise (the state digest's, a caller's own) ends only at
+the process-group timeout; its error then names the hung rank. If the store's host (global rank
+0) dies, the store becomes unreachable: after ``liveness_timeout_s`` of failed store calls
+(retried every quarter of it) it is declared dead.
 """
 
 from __future__ import annotations
