@@ -1,6 +1,6 @@
 """pcppass: decode sharding across prefill-context-parallel ranks, as a torch.compile backend.
 
-    compiled = torch.compile(model, backend=pcppass.backend)          # or backend="pcppass"
+    step = pcppass.compile(model)          # step(...) for any step, step.decode(...) for decode-only ones
 
 finds every write into persistent state in the traced decode graph, keeps each covered write as
 the owner's local write plus replica synchronisation (one collective per decode step), and refuses
@@ -19,6 +19,8 @@ from pcppass.errors import PcpCoverageError
 from pcppass.checks import SyncChecks
 from pcppass.analysis import audit, find_state_writes
 from pcppass.compiler import PcpBackend, PcpSyncPass, backend
+from pcppass.step import ShardedStep, compile
+from pcppass.runtime.failstop import fail_stop
 from pcppass.engine import Engine
 
 __all__ = [
@@ -35,10 +37,13 @@ __all__ = [
     "PcpSyncPass",
     "Recipe",
     "Reviewed",
+    "ShardedStep",
     "SyncChecks",
     "WritePattern",
     "audit",
     "backend",
+    "compile",
+    "fail_stop",
     "find_state_writes",
     "register_pattern",
     "register_resolver",

@@ -15,10 +15,17 @@ partitioned prefill breaks that, and no graph analysis can see it, so pcppass ne
 1. runs the pass: stage check, analysis, coverage decision, sync plan and insertion;
 2. refuses a recompile that would run replicated once an engine shards decode on the strength of
    earlier compiles (``sharded_only``);
-3. checks that every rank rewrote the same graph (fingerprints through the c10d store, with a
-   timeout), hands the graph to the inner compiler (Inductor, aot_eager or eager) and wraps the
-   compiled step with input validation (:mod:`pcppass.runtime.validate`), the state rebinding
-   check and the cross-rank state digest check (:mod:`pcppass.runtime.state_checks`).
+3. checks that every rank rewrote the same graph for the same input shapes (fingerprints
+   through the c10d store, with a timeout), on the host has the graph's all-gathers waited for
+   through the liveness watch (:mod:`pcppass.kernels.collectives`), hands the graph to the inner
+   compiler (Inductor, aot_eager or eager) and wraps the compiled step with input validation
+   (:mod:`pcppass.runtime.validate`), the state rebinding check and the cross-rank state digest
+   check (:mod:`pcppass.runtime.state_checks`);
+4. refuses a graph compiled for one rank (no sync) once the default group has several ranks
+   (Dynamo would reuse a graph compiled before ``init_process_group``).
+
+:func:`pcppass.compile` (:mod:`pcppass.step`) adds what only a wrapper around the compiled step
+can: refusing a step Dynamo would run without calling this backend.
 
 Failures are fail-stop: a rank that fails a check its peers passed (bad inputs on that rank, a
 compile the others did not make) or whose step fails aborts the process group before raising, so
@@ -42,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+import pcppass.kernels.collectives  # noqa: F401  (registers pcppass::all_gather_start / _wait)
 from pcppass.analysis import StateWrite
 from pcppass.checks import SyncChecks
 from pcppass.errors import PcpSyncError
@@ -184,7 +192,8 @@ class PcpBackend:
         if result.mode == "replicated":
             self._refuse_if_sharded_only(report)
         if result.rewrite is None:
-            return self._compile_inner(gm, example_inputs)
+            compiled = self._compile_inner(gm, example_inputs)
+            return self._one_rank_only(compiled) if result.mode == "single_rank" else compiled
         report.rewrite = result.rewrite
         report.all_gather_nodes = count_all_gathers(gm)
         report.transport = transports_of(gm)
@@ -194,11 +203,15 @@ class PcpBackend:
         if self.checks.compile_fingerprint:
             try:
                 exchange_fingerprint(result.rewrite.fingerprint, result.group, namespace=self.name,
-                                     timeout_s=self.checks.fingerprint_timeout_s)
+                                     timeout_s=self.checks.fingerprint_timeout_s,
+                                     inputs=result.rewrite.inputs)
             except PcpSyncError as exc:
                 # A rank that compiled alone has peers waiting in a collective of the old graph.
                 del result  # a gloo group closes its connections only once no frame holds it
                 raise_fail_stop(exc, self.group, rank, f"compiling the {self.name} graph")
+        device = _cuda_device(example_inputs)
+        if device is None and watch is not None:
+            watch_host_collectives(gm)
         compiled = self._compile_inner(gm, example_inputs)
         checks = self.checks
         if report.uncovered and self.on_uncovered == "unsafe_ignore":
@@ -207,12 +220,32 @@ class PcpBackend:
             checks = dataclasses.replace(checks, state_digest=False)
         compiled = checking_state(compiled, gm, self.group, checks, rank, self.history)
         validator = InputValidator.from_plan(gm, result.plan, rank=rank) if self.checks.inputs else None
-        device = _cuda_device(example_inputs)
         if device is not None:  # checks on the device, raised before the next step (no host read)
             compiled = device_checks.checking(compiled, device, validator and DeviceSlotChecks.of(validator))
         elif validator is not None:
             compiled = validating(compiled, validator)
         return self._counting(fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch))
+
+    def _one_rank_only(self, step: Callable) -> Callable:
+        """``step``, a graph compiled for one rank (no sync), refused before it runs on a group of
+        several ranks: Dynamo's guards do not cover the world size, so a graph compiled before
+        ``init_process_group`` (a warm-up call) would be reused, unsynchronised, after it."""
+        if self.group is not None:
+            return step  # an explicit group of one rank stays one rank
+        name = self.name
+
+        def run(*args: Any) -> Any:
+            if dist.is_available() and dist.is_initialized() and (world := dist.get_world_size()) > 1:
+                raise PcpSyncError(
+                    f"pcppass: this {name} graph was compiled for one rank (no process group of "
+                    f"several ranks existed when Dynamo compiled it: a call before "
+                    f"init_process_group?) and now runs on {world} ranks: it has no replica sync, so "
+                    "each rank would keep only its own rows. Refused before it ran: nothing was "
+                    "written. Compile the step after init_process_group (torch._dynamo.reset() "
+                    "drops the graphs compiled before).")
+            return step(*args)
+
+        return run
 
     def _counting(self, step: Callable) -> Callable:
         """``step`` that counts its calls in :attr:`calls` (an engine can tell that Dynamo ran a
@@ -277,6 +310,27 @@ def refusing(error: Exception) -> Callable:
 
 def _cuda_device(example_inputs: Sequence[Any]) -> torch.device | None:
     return next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
+
+
+def watch_host_collectives(gm: torch.fx.GraphModule) -> int:
+    """Swap every functional all-gather of a host (gloo) graph, and the ``wait_tensor`` of its
+    result, for ``pcppass::all_gather_start`` / ``pcppass::all_gather_wait``
+    (:mod:`pcppass.kernels.collectives`: the same collective, started and waited for where the
+    graph does, whose wait ends with an error once the liveness watch declares a peer dead, where
+    gloo's own ends only at the process-group timeout). Done after the fingerprint and the
+    collective count, which name the functional ops. Returns how many were swapped."""
+    functional = torch.ops._c10d_functional
+    starts = gm.graph.find_nodes(op="call_function", target=functional.all_gather_into_tensor.default)
+    for start in starts:
+        group_name = start.args[2]
+        start.target = torch.ops.pcppass.all_gather_start.default
+        for user in list(start.users):
+            if user.target is functional.wait_tensor.default:
+                user.target = torch.ops.pcppass.all_gather_wait.default
+                user.args = (start, group_name)
+    if starts:
+        gm.recompile()
+    return len(starts)
 
 
 def count_all_gathers(gm: torch.fx.GraphModule) -> int:

@@ -54,6 +54,22 @@ class PcpCoverageError(PcpError):
         super().__init__("\n".join(lines))
 
 
+class PcpGraphBreakError(PcpCoverageError):
+    """Dynamo found a graph break while tracing a step compiled as one graph (``fullgraph=True``,
+    as :func:`pcppass.compile` does): refused while tracing, before the step ran."""
+
+    def __init__(self, dynamo_message: str):
+        self.writes = []
+        self.graph_breaks = [dynamo_message.strip()]
+        PcpError.__init__(
+            self,
+            "pcppass: the step has a graph break, so it is not one graph: the code around the break "
+            "would run eagerly, outside any graph, where no write into state is seen or "
+            "synchronised. Refused while tracing, before the step ran (nothing was written). "
+            "Remove the break; Dynamo's words:\n" + self.graph_breaks[0],
+        )
+
+
 class PcpInputError(PcpError, ValueError):
     """A step's inputs break the execution contract (checked before the graph runs; state untouched)."""
 

@@ -19,7 +19,9 @@ the graphs cannot show:
   every cache tensor of the dict and every model buffer must still be the same tensor (object and
   data pointer) after the step, else :class:`~pcppass.errors.PcpSyncError` names the state.
 
-Any failure of a step but a coverage refusal (which every rank makes alike) aborts the process
+Both graphs are one :class:`pcppass.step.ShardedStep` (``pcppass.compile``): each compiled with
+``fullgraph=True``, a step Dynamo would run eagerly refused before it runs, and any failure of a
+step but a coverage refusal of a first compile (which every rank makes alike) aborts the process
 group before it is raised, so the other ranks fail at once instead of waiting in a collective
 (:mod:`pcppass.runtime.failstop`). :func:`sharded_engine` builds an engine around it and, when the
 backend had to keep decode replicated (uncovered writes with ``on_uncovered="replicate"``, or
@@ -29,7 +31,7 @@ backend had to keep decode replicated (uncovered writes with ``on_uncovered="rep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,11 +39,12 @@ import torch.distributed as dist
 from pcppass.compiler import Inner, OnUncovered, PcpBackend, SyncChecks
 from pcppass.engine.layout import Policy, padding_step
 from pcppass.engine.runner import Engine
-from pcppass.errors import PcpError, PcpSyncError
+from pcppass.errors import PcpSyncError
 from pcppass.rewrite.insert import Schedule
 from pcppass.runtime.capturable import capturable
-from pcppass.runtime.failstop import group_rank, raise_fail_stop
+from pcppass.runtime.failstop import group_rank
 from pcppass.runtime.stats import SYNC_COUNTERS
+from pcppass.step import ShardedStep, run_graph
 
 #: rows of the all-padding step that compiles both graphs before the first real step
 WARMUP_ROWS = 2
@@ -80,15 +83,12 @@ class ShardedRunner:
         if mixed_schedule != "immediate":
             # Prefill rows written by one rank are read by another rank in the same step.
             raise ValueError("mixed steps need the immediate schedule (rows are read in the same step)")
-        # Both graphs are compiled with fullgraph=True: each is the whole step.
-        common: dict[str, Any] = dict(group=group, inner=inner, on_uncovered=on_uncovered,
-                                      dcp_size=dcp_size, checks=checks, whole_step=True)
-        self.decode_backend = PcpBackend(schedule=decode_schedule, name="decode", **common)
-        self.mixed_backend = PcpBackend(schedule=mixed_schedule, name="mixed", **common)
-        self._graphs = {
-            "decode": torch.compile(model, backend=self.decode_backend, fullgraph=True),
-            "mixed": torch.compile(model, backend=self.mixed_backend, fullgraph=True),
-        }
+        # One ShardedStep: both graphs compiled with fullgraph=True (each is the whole step), the
+        # checks around a step that Dynamo would run without them, and fail-stop.
+        self.step = ShardedStep(model, group=group, inner=inner, on_uncovered=on_uncovered,
+                                dcp_size=dcp_size, checks=checks, decode_schedule=decode_schedule)
+        self.decode_backend = self.step.backends["decode"]
+        self.mixed_backend = self.step.backends["mixed"]
         self.step_syncs: list[StepSync] = []
         self.group = group
         # (qualified name, owning module, attribute) of every buffer: rebinding replaces the entry
@@ -96,14 +96,14 @@ class ShardedRunner:
             (f"{prefix}.{attr}" if prefix else attr, module, attr)
             for prefix, module in model.named_modules() for attr in module._buffers
         ]
-        self._reports_seen = {kind: 0 for kind in self._graphs}
+        self._reports_seen = {kind: 0 for kind in self.backends}
         #: set by :meth:`warmup` once the engine shards decode on the strength of its compiles
         self.sharding = False
 
     @property
     def replicated(self) -> bool:
         """True when decode must stay replicated (see :attr:`PcpBackend.replicated`)."""
-        return self.decode_backend.replicated or self.mixed_backend.replicated
+        return self.step.replicated
 
     @property
     def backends(self) -> dict[str, PcpBackend]:
@@ -115,63 +115,31 @@ class ShardedRunner:
         return capturable(self.backends[step_kind])
 
     def __call__(self, input_ids, positions, meta, caches, step_kind: str) -> torch.Tensor:
-        if step_kind not in self._graphs:
+        if step_kind not in self.backends:
             raise ValueError(f"unknown step kind {step_kind!r}: expected 'decode' or 'mixed'")
         # One graph for every row count: ids, positions and every meta tensor follow the row
         # count in dim 0 (the engine pads requests to rows and never hands out fewer than 2).
         for t in (input_ids, positions, *meta.values()):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        world = self._world()
         SYNC_COUNTERS.take()
-        before = self._state_identity(caches) if world > 1 else None
-        calls = self.backends[step_kind].calls
-        try:
-            if self.sharding:
-                refuse_if_dynamo_runs_eagerly(step_kind)
-            hidden = self._run(self._graphs[step_kind], input_ids, positions, meta, caches)
-            if before is not None:
-                self._check_new_reports(step_kind)
-                self._check_graph_ran(step_kind, calls)
-                if not self.replicated:
-                    self._check_state_identity(before, self._state_identity(caches), step_kind,
-                                               group_rank(self.group))
-        except BaseException as exc:
-            if world <= 1:
-                raise
-            raise_fail_stop(exc, self.group, group_rank(self.group), f"the {step_kind} step")
+        before = self._state_identity(caches) if self.step.world() > 1 else None
+
+        def after() -> None:
+            if before is None:
+                return
+            self._check_new_reports(step_kind)
+            if not self.replicated:
+                self._check_state_identity(before, self._state_identity(caches), step_kind,
+                                           group_rank(self.group))
+
+        hidden = self.step.run(step_kind, input_ids, positions, meta, caches, after=after)
         counts = SYNC_COUNTERS.take()
         self.step_syncs.append(StepSync(step_kind, int(input_ids.shape[0]), counts.collectives,
                                         counts.bytes_sent, counts.bytes_gathered))
         return hidden
 
-    @staticmethod
-    def _run(graph: Callable, *args: Any) -> torch.Tensor:
-        try:
-            return graph(*args)
-        except torch._dynamo.exc.BackendCompilerFailed as exc:
-            # Surface pcppass's own refusal (coverage, fingerprints) rather than Dynamo's wrapper.
-            inner = getattr(exc, "inner_exception", None) or exc.__cause__
-            if isinstance(inner, PcpError):
-                raise inner from None
-            raise
-
-    def _check_graph_ran(self, step_kind: str, calls_before: int) -> None:
-        """While decode is sharded, each step must have run one of the backend's sharded graphs:
-        if Dynamo ran the model eagerly instead (disabled or an eager stance set in a way the
-        check before the step cannot see), its writes were never synchronised."""
-        if not self.sharding or self.backends[step_kind].calls > calls_before:
-            return
-        raise PcpSyncError(
-            f"pcppass: the {step_kind} step ran without its compiled graph (Dynamo ran the model "
-            "eagerly: torch._dynamo disabled, an eager compiler stance, or a frame it skipped): "
-            "this rank's rows were written and not synchronised, so the replicas may differ from "
-            "here on. Restart from state saved before this step, with Dynamo compiling."
-        )
-
-    def _world(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self.group)
+    #: kept for runners that call a compiled step themselves (pcppass.step.run_graph)
+    _run = staticmethod(run_graph)
 
     def _check_new_reports(self, step_kind: str) -> None:
         """Once decode is sharded, every later compile must be sharded too (cheap: only when the
@@ -232,30 +200,6 @@ class ShardedRunner:
         for backend in self.backends.values():
             backend.sharded_only = self.sharding
         return self.sharding
-
-
-#: compiler stances under which Dynamo calls the backend for every frame it would otherwise compile
-_COMPILING_STANCES = ("default", "fail_on_recompile")
-
-
-def refuse_if_dynamo_runs_eagerly(step_kind: str) -> None:
-    """Raise before a sharded step that Dynamo would run eagerly, with no backend and no sync:
-    ``torch._dynamo.config.disable`` (``TORCHDYNAMO_DISABLE=1``) or a compiler stance that runs
-    frames, or recompiles, eagerly (``torch.compiler.set_stance("force_eager")``,
-    ``"eager_on_recompile"``, ``"eager_then_compile"``, or any stance this check does not know)."""
-    reason = None
-    if torch._dynamo.config.disable:
-        reason = "torch._dynamo.config.disable is set (TORCHDYNAMO_DISABLE)"
-    else:
-        stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", None)
-        if stance not in _COMPILING_STANCES:
-            reason = f"the compiler stance is {stance!r} (torch.compiler.set_stance)"
-    if reason is not None:
-        raise PcpSyncError(
-            f"pcppass: refusing to run the {step_kind} step sharded: {reason}, so Dynamo may run "
-            "the model eagerly, without the synchronised graph, and each rank would keep only its "
-            "own rows. Nothing was written. Run with Dynamo compiling (the default stance)."
-        )
 
 
 def sharded_engine(

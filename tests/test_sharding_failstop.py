@@ -182,7 +182,7 @@ def _eager_run(rank: int, how: str) -> dict:
         with torch.compiler.set_stance("force_eager"):
             out = _outcome(*step)
     else:
-        runner._graphs["decode"] = model  # Dynamo skipping the frame: the model runs as Python
+        runner.step._compiled["decode"] = model  # Dynamo skipping the frame: the model runs as Python
         out = _outcome(*step)
     out.update(first=first, untouched=all(torch.equal(b, c) for b, c in zip(before, caches.values())))
     return out

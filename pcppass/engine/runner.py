@@ -46,6 +46,7 @@ from pcppass.engine.scheduler import GlobalStep, Scheduler, SchedulerConfig
 from pcppass.engine.workload import RequestSpec
 from pcppass.kernels.attention.launch import decode_rows_per_rank
 from pcppass.runtime.failstop import raise_fail_stop
+from pcppass.runtime.liveness import wait_watched
 
 Runner = Callable[
     [torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], str], torch.Tensor
@@ -340,9 +341,16 @@ class Engine:
             gathered = hidden.new_empty((self.world * hidden.shape[0], *hidden.shape[1:]))
             try:
                 # no grad: gloo gathers some dtypes (bfloat16) into views of `gathered`, which grad
-                # mode refuses to write in place
+                # mode refuses to write in place (the copy may run when the work is waited on)
                 with torch.no_grad():
-                    dist.all_gather_into_tensor(gathered, hidden.contiguous(), group=self.group)
+                    work = dist.all_gather_into_tensor(gathered, hidden.contiguous(), group=self.group,
+                                                       async_op=True)
+                    if hidden.device.type == "cpu":
+                        # gloo: a wait that ends once the liveness watch declares a peer dead
+                        # (gloo's own lasts until the process-group timeout)
+                        wait_watched(work, self.group, "the engine's all-gather of hidden rows")
+                    else:
+                        work.wait()
             except Exception as exc:  # typically: a peer failed its step and aborted the group
                 raise_fail_stop(exc, self.group, self.rank, "the engine's all-gather of hidden rows")
         else:

@@ -94,6 +94,8 @@ class SyncRewrite:
     collectives: int
     sites: int
     nodes: list[torch.fx.Node] = field(default_factory=list)
+    #: the graph inputs as traced (:func:`input_signature`), hashed into the fingerprint
+    inputs: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -641,13 +643,33 @@ _RANK_LOCAL = (
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule, plan: SyncPlan, extra: str = "") -> str:
-    """Rank-independent hash of the rewritten graph and its plan (addresses and device indices
-    stripped: rank r runs on its own device, the graph is the same)."""
+    """Rank-independent hash of the rewritten graph, the shapes it was traced for and its plan
+    (addresses and device indices stripped: rank r runs on its own device, the graph is the
+    same)."""
     text = str(gm.graph)
     for pattern, replacement in _RANK_LOCAL:
         text = pattern.sub(replacement, text)
-    payload = "\n".join([text, plan.describe(), extra])
+    payload = "\n".join([text, input_signature(gm), plan.describe(), extra])
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def input_signature(gm: torch.fx.GraphModule) -> str:
+    """Dtype, sizes and strides of every graph input as traced: symbols where Dynamo kept a size
+    dynamic, numbers where it specialised one. The graph's text does not show them, and ranks
+    whose inputs specialise differently (a row count of 0 on one rank and 1 on another: Dynamo
+    always specialises 0 and 1) trace different graphs with the same text, whose collectives
+    then move buffers of different sizes."""
+    described = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node_value(node)
+        if isinstance(value, torch.Tensor):
+            sizes, strides = ", ".join(map(str, value.shape)), ", ".join(map(str, value.stride()))
+            described.append(f"{node.name}: {value.dtype} [{sizes}] strides ({strides})")
+        elif isinstance(value, torch.SymInt | int | float | bool):
+            described.append(f"{node.name}: {value}")
+        else:
+            described.append(f"{node.name}: {type(value).__name__}")
+    return "\n".join(described)
 
 
 def insert_sync(
@@ -693,4 +715,4 @@ def insert_sync(
     fingerprint = graph_fingerprint(gm, plan, f"{schedule} world={world_size} {extra_fingerprint}")
     emit.set_fingerprint(fingerprint)
     gm.recompile()
-    return SyncRewrite(schedule, fingerprint, collectives, len(plan.sites), emit.nodes)
+    return SyncRewrite(schedule, fingerprint, collectives, len(plan.sites), emit.nodes, input_signature(gm))

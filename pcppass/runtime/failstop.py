@@ -10,12 +10,13 @@ then says that a peer stopped, and the failing rank's error names the cause.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import sys
 import traceback
 import types
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch.distributed as dist
 
@@ -96,11 +97,13 @@ def _drop_import_time_references(group: dist.ProcessGroup) -> None:
 
 
 def stop_error(exc: BaseException, group: dist.ProcessGroup | None, rank: int | None,
-               what: str) -> BaseException:
+               what: str, *, alone: bool = False) -> BaseException:
     """Abort ``group`` after ``exc`` on this rank and return the error to raise.
 
     A :class:`PcpCoverageError` is a compile-time decision every rank makes alike on the same
-    graph: the group stays usable and the error is returned as it is. Any other
+    graph: the group stays usable and the error is returned as it is, unless ``alone`` (the
+    caller knows the compile may be this rank's alone, a recompile after steps that ran: peers
+    may wait in a collective for it), then the group is aborted first. Any other
     :class:`PcpError` already names its cause and is returned as it is, after the abort, unless
     the liveness watch had found a peer dead (then whatever this rank saw next, such as an
     aborted collective's garbage, is a consequence, and the dead peer is named). Anything else
@@ -108,7 +111,11 @@ def stop_error(exc: BaseException, group: dist.ProcessGroup | None, rank: int | 
     that says which rank saw it, during what, and, from the liveness watch, which peer stopped
     beating or failed first. An error this function made is never wrapped again.
     """
-    if isinstance(exc, PcpCoverageError) or getattr(exc, "from_fail_stop", False):
+    if getattr(exc, "from_fail_stop", False):
+        return exc
+    if isinstance(exc, PcpCoverageError):
+        if alone:
+            abort_group(group)
         return exc
     watch = liveness.watch_of(group)
     abort_group(group)
@@ -140,27 +147,60 @@ def stop_error(exc: BaseException, group: dist.ProcessGroup | None, rank: int | 
     return error
 
 
+def refuse_after_verdict(watch: liveness.PeerWatch, rank: int | None, what: str) -> None:
+    """Raise before a step whose peers' watch has a verdict: a peer is dead, failed or gone, so
+    the step's collectives cannot complete (on gloo a wait on a hung peer would last until the
+    process-group timeout). Nothing was written."""
+    verdict = watch.verdict
+    if verdict is not None:
+        raise PcpSyncError(f"pcppass: rank {rank}: refusing to run {what}: "
+                           f"{verdict.sentence(watch.timeout_s)} Nothing was written.")
+
+
 def raise_fail_stop(exc: BaseException, group: dist.ProcessGroup | None, rank: int | None,
-                    what: str) -> NoReturn:
+                    what: str, *, alone: bool = False) -> NoReturn:
     """Raise :func:`stop_error` of ``exc`` (call from an ``except`` block handling ``exc``)."""
-    error = stop_error(exc, group, rank, what)
+    error = stop_error(exc, group, rank, what, alone=alone)
     if error is exc:
         raise exc
     raise error from exc
+
+
+@contextlib.contextmanager
+def fail_stop(group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Run a rank's sharded steps inside this block: an exception escaping it (the caller's own
+    code between steps included) aborts ``group`` (None: every group) and marks this rank failed
+    for the peers' liveness watches, so a peer waiting for this rank in a collective fails within
+    seconds although this process lives on (a server that catches the error). A
+    :class:`PcpCoverageError` (every rank refuses the same graph) leaves the group as it is."""
+    try:
+        yield
+    except BaseException as exc:
+        if not isinstance(exc, PcpCoverageError) and not getattr(exc, "from_fail_stop", False):
+            abort_group(group)
+        raise
 
 
 def fail_stopping(step: Callable, group: dist.ProcessGroup | None, rank: int | None,
                   what: str, watch: liveness.PeerWatch | None = None) -> Callable:
     """``step`` with fail-stop: any error it raises aborts ``group`` first (see :func:`stop_error`).
 
-    With the group's liveness ``watch``: a step that returns although the watch aborted the group
-    meanwhile (on NCCL an aborted collective ends without an error) raises, naming the peer."""
+    With the group's liveness ``watch``: a step is refused before it runs once the watch has a
+    verdict on a peer (dead, failed, or gone from the group before this step: its collectives
+    would never complete); a step that returns although the watch aborted the group meanwhile (on
+    NCCL an aborted collective ends without an error) raises, naming the peer. The watch counts
+    the steps this rank started and finished (a rank that leaves the group publishes its count)."""
 
     def run(*args: Any) -> Any:
         try:
+            if watch is not None:
+                refuse_after_verdict(watch, rank, what)
+                watch.started += 1
             outputs = step(*args)
         except BaseException as exc:
             raise_fail_stop(exc, group, rank, what)
+        if watch is not None:
+            watch.finished += 1
         if watch is not None and watch.aborted:
             error = PcpSyncError(
                 f"pcppass: rank {rank}: {what} ran while its process group was aborted: "

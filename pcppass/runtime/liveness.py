@@ -22,17 +22,21 @@ its last heartbeat; a failed one within one interval. The step's hot path does n
 works beside it (a few store round trips per interval, on its own connection to the store).
 
 Store keys, all updated with ``add`` (which never waits for a key), under
-``pcppass/live/{group}/``: ``beat/{r}`` (counter), ``state/{r}`` (0 running, -1 left cleanly: the
-group was destroyed by its owner, k > 0 failed as the k-th rank to fail, ``failures`` counts
-them). A peer that has not beaten yet (still compiling; the compile fingerprint exchange bounds
-that) or that left cleanly is never declared dead.
+``pcppass/live/{group}/``: ``beat/{r}`` (counter), ``state/{r}`` (0 running, -1 left: the group
+was destroyed by its owner or the process exits with it, k > 0 failed as the k-th rank to fail,
+``failures`` counts them), ``finished/{r}`` (the sharded steps a rank that left had finished). A
+peer that has not beaten yet (still compiling; the compile fingerprint exchange bounds that) or
+that left is never declared dead; one that left after fewer sharded steps than this rank has
+started is declared ``left``: it will never join this rank's step.
 
-Limits: on gloo a collective waiting on a peer whose sockets stay open (a hung, not dead,
-process) ends only at the process-group timeout (an abort does not interrupt it); its error then
-names the hung rank. If the store's host (global rank 0) dies, the store becomes unreachable:
-after ``liveness_timeout_s`` of failed store calls (retried every quarter of it) it is declared
-dead. A rank that exits without destroying its process group looks dead to peers that outlive it
-by more than the timeout: on NCCL they abort their group (harmless once no collective is left).
+On gloo nothing ends a collective waiting on a peer whose sockets stay open (a hung, not dead,
+process): an abort does not interrupt it. pcppass's host collectives therefore wait through
+:func:`wait_watched`, in slices of one interval, and raise once the watch has a verdict.
+
+Limits: a gloo collective waited for otherwise (the state digest's, a caller's own) ends only at
+the process-group timeout; its error then names the hung rank. If the store's host (global rank
+0) dies, the store becomes unreachable: after ``liveness_timeout_s`` of failed store calls
+(retried every quarter of it) it is declared dead.
 """
 
 from __future__ import annotations
@@ -57,16 +61,24 @@ _LEFT = -1
 
 @dataclass(frozen=True)
 class Verdict:
-    """Why a peer stopped: ``dead`` (no heartbeat for ``silent_s``) or ``failed`` (its own error)."""
+    """Why a peer stopped: ``dead`` (no heartbeat for ``silent_s``), ``failed`` (its own error) or
+    ``left`` (it destroyed the group, or its process exited, after ``steps`` sharded steps, while
+    this rank runs a later one)."""
 
     rank: int | str
-    kind: Literal["dead", "failed"]
+    kind: Literal["dead", "failed", "left"]
     silent_s: float = 0.0
+    steps: int = 0
 
     def sentence(self, timeout_s: float) -> str:
         if self.kind == "failed":
             return (f"Rank {self.rank} failed first (its own error names the cause) and aborted the "
                     "process group, which broke this rank's collective.")
+        if self.kind == "left":
+            return (f"Rank {self.rank} left the process group (destroyed it, or its process exited) "
+                    f"after {self.steps} sharded step(s), and this rank runs a later one: it will "
+                    "never join that step's collectives (an error on that rank outside pcppass "
+                    "ended its run; its own output names it).")
         return (f"Rank {self.rank} stopped responding: no heartbeat for {self.silent_s:.1f} s (it "
                 "died or hangs; every rank's heartbeat is watched in the c10d store, and a silent "
                 f"rank is declared dead after SyncChecks.liveness_timeout_s = {timeout_s:g} s).")
@@ -114,6 +126,10 @@ class PeerWatch:
         #: this rank's place among the ranks that failed (0: it has not)
         self.failed_ordinal = 0
         self._state = 0  # this rank's state key: 0 running, then once _LEFT or its failure ordinal
+        #: sharded steps on this group that this process started and finished (counted by
+        #: pcppass.runtime.failstop.fail_stopping; a rank that leaves publishes ``finished``)
+        self.started = 0
+        self.finished = 0
         self._state_lock = threading.Lock()
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (last beat, when it changed)
         self._store_lost_since: float | None = None
@@ -186,7 +202,20 @@ class PeerWatch:
         dead = [Verdict(r, "dead", now - self._seen[r][1]) for r, (beat, state) in peers.items()
                 if beat > 0 and state != _LEFT and now - self._seen[r][1] > self.timeout_s]
         failed = sorted((state, r) for r, (_, state) in peers.items() if state > 0)
-        return dead[0] if dead else Verdict(failed[0][1], "failed") if failed else None
+        return (dead[0] if dead else Verdict(failed[0][1], "failed") if failed
+                else self._left_before_this_step(peers))
+
+    def _left_before_this_step(self, peers: dict[int, tuple[int, int]]) -> Verdict | None:
+        """A peer that left the group after fewer sharded steps than this rank has started: it
+        will never join this rank's current (or next) step. A peer that left after the same
+        number of steps finished its run with this rank and is no culprit."""
+        started = self.started
+        for r, (_, state) in sorted(peers.items()):
+            if state == _LEFT:
+                steps = self._add(f"finished/{r}", 0)
+                if started > steps:
+                    return Verdict(r, "left", steps=steps)
+        return None
 
     def _declare(self, verdict: Verdict) -> None:
         """Keep the verdict; on NCCL abort the group: its waiting collective would spin forever.
@@ -202,9 +231,13 @@ class PeerWatch:
             self.aborted = True
 
     def _leave(self) -> bool:
-        """The group was destroyed by its owner: say so, so peers still running do not call this
-        rank dead, and stop. False if this rank had failed (then it beats on)."""
+        """The group was destroyed by its owner (or the process exits): say so, with the sharded
+        steps this rank finished, so peers still running do not call this rank dead, and a peer
+        that runs a later step knows at once that it never will join it; then stop. False if this
+        rank had failed (then it beats on)."""
         try:
+            if self._state == 0:
+                self._add(f"finished/{self.rank}", self.finished)
             left = self._set_state(_LEFT)
         except Exception:  # the store went with the group: nobody is left to tell
             left = True
@@ -256,7 +289,12 @@ class PeerWatch:
             return Verdict(r, "dead", max(now - start, now - when))
         mine = self.failed_ordinal or float("inf")
         failed = sorted((state, r) for r, (_, state) in last.items() if 0 < state < mine)
-        return Verdict(failed[0][1], "failed") if failed else self.verdict
+        if failed:
+            return Verdict(failed[0][1], "failed")
+        try:
+            return self._left_before_this_step(last) or self.verdict
+        except Exception:
+            return self.verdict
 
 
 _lock = threading.Lock()
@@ -297,6 +335,41 @@ def watch_of(group: dist.ProcessGroup | None) -> PeerWatch | None:
     return _watches.get(_group_id(group))
 
 
+def wait_watched(work: dist.Work, group: dist.ProcessGroup | None, what: str) -> None:
+    """Wait for ``work``, a collective on host tensors (gloo) of ``group``, for as long as every
+    peer is alive (not for NCCL: a wait with a timeout there blocks the host, and the watch's
+    abort of the communicator ends an NCCL collective anyway).
+
+    Nothing ends a gloo collective waiting on a peer whose sockets stay open (a stopped process, a
+    lost host): not an abort, only the process-group timeout. So the wait goes in slices of one
+    heartbeat interval, and once this rank's watch declares a peer dead or failed it raises
+    :class:`~pcppass.errors.PcpSyncError` naming the peer, within ``liveness_timeout_s`` plus an
+    interval of the peer's last beat. The abandoned collective stays with the backend's worker
+    thread until the process-group timeout, which the process's exit may wait for. A collective
+    that fails by itself (a peer's closed connection) raises its own error at once. Without a
+    watch (liveness off, one rank) this is ``work.wait()``."""
+    watch = watch_of(group)
+    if watch is None:
+        work.wait()
+        return
+    piece = datetime.timedelta(seconds=watch.interval_s)
+    while True:
+        try:
+            work.wait(piece)
+            return
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the collective failed by itself: its error says how
+        verdict = watch.verdict
+        if verdict is not None:
+            from pcppass.errors import PcpSyncError
+
+            raise PcpSyncError(
+                f"pcppass: rank {watch.rank}: {what} cannot complete: {verdict.sentence(watch.timeout_s)} "
+                "This rank stopped waiting for it."
+            )
+
+
 def live_watches() -> list[PeerWatch]:
     """Every watch whose group still exists (``abort_group(None)`` aborts all of them)."""
     return [w for w in list(_watches.values()) if w.alive()]
@@ -304,12 +377,13 @@ def live_watches() -> list[PeerWatch]:
 
 @atexit.register
 def _stop_watches() -> None:
-    """At exit: a rank that destroyed its group says it left (peers still running must not call
-    it dead); every heartbeat thread stops before the interpreter and the store's server go
-    (a thread left in a store call then would abort the process)."""
+    """At exit: a rank says it left, with the sharded steps it finished (peers still running must
+    not call it dead, and a peer running a later step must not wait for it); every heartbeat
+    thread stops before the interpreter and the store's server go (a thread left in a store call
+    then would abort the process)."""
     for watch in list(_watches.values()):
-        if not watch.alive() and watch.verdict is None:
-            watch._leave()
+        if watch.verdict is None:
+            watch._leave()  # the group destroyed, or this process ending with it: it left
         watch._stop.set()
     for watch in list(_watches.values()):
         watch._thread.join(timeout=2.0)

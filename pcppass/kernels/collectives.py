@@ -1,0 +1,61 @@
+"""The all-gathers of a host (gloo) step, with a wait that ends when a peer is declared dead.
+
+``_c10d_functional.all_gather_into_tensor`` + ``wait_tensor`` is how the rewrite emits every
+collective (it traces, and Inductor knows it). On gloo its wait cannot be interrupted: a peer that
+hangs with its sockets open (a stopped process, a lost host) holds it until the process-group
+timeout, whatever the liveness watch knows. For a graph whose collectives run on the host,
+:class:`pcppass.compiler.PcpBackend` swaps the pair for these two ops (same arguments, same
+result, the collective still started where the graph starts it and waited for where it waits):
+
+* ``pcppass::all_gather_start``: issues the all-gather asynchronously and keeps its work;
+* ``pcppass::all_gather_wait``: waits for it through :func:`pcppass.runtime.liveness.wait_watched`,
+  which raises naming the peer once the watch declares it dead or failed, and returns the
+  gathered rows (a copy: a custom op's output may not alias its input).
+
+NCCL steps keep the functional collectives: the watch aborts the communicator, which ends them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pcppass.runtime.liveness import wait_watched
+
+#: data pointer of a gathered buffer -> the collective filling it (started, not yet waited for)
+_PENDING: dict[int, dist.Work] = {}
+
+
+def _resolve(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+@torch.library.custom_op("pcppass::all_gather_start", mutates_args=())
+def all_gather_start(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Start the all-gather of every rank's ``input`` along dim 0 (``all_gather_into_tensor``);
+    the result is valid once :func:`all_gather_wait` returned it."""
+    out = input.new_empty((group_size * input.shape[0], *input.shape[1:]))
+    work = dist.all_gather_into_tensor(out, input.contiguous(), group=_resolve(group_name), async_op=True)
+    _PENDING[out.data_ptr()] = work
+    return out
+
+
+@all_gather_start.register_fake
+def _(input, group_size, group_name):
+    return input.new_empty((group_size * input.shape[0], *input.shape[1:]))
+
+
+@torch.library.custom_op("pcppass::all_gather_wait", mutates_args=())
+def all_gather_wait(gathered: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Wait for the all-gather that fills ``gathered`` (see the module docstring)."""
+    work = _PENDING.pop(gathered.data_ptr(), None)
+    if work is not None:
+        wait_watched(work, _resolve(group_name), "the sync all-gather")
+    return gathered.clone()
+
+
+@all_gather_wait.register_fake
+def _(gathered, group_name):
+    return torch.empty_like(gathered)
