@@ -30,13 +30,21 @@ class SyncChecks:
     #: tensor it computed instead of writing it in place (checked before each call, host only)
     rebinding: bool = True
     #: cross-rank digest of the state before and after checked steps: names state that diverged
-    #: although every write the graph shows is synchronised (an under-declared custom op); one
-    #: small all-gather per checked step, skipped while a CUDA graph is being captured
+    #: although every write the graph shows is synchronised (an under-declared custom op, a cache
+    #: fetched through a Python lookup): every tensor argument of the graph, parameters and
+    #: buffers included, and (``digest_outside``) every other live tensor; one small all-gather
+    #: (and an ``all_gather_object``) per checked step, skipped while a CUDA graph is captured
     state_digest: bool = True
     #: the first calls of each compiled step that are digest-checked
     digest_first_steps: int = 4
-    #: afterwards every ``digest_every``-th call is checked (0: never)
+    #: afterwards every ``digest_every``-th call is checked (0: never; 1: every call, the checked
+    #: mode that names the very step of any divergence the digest can see)
     digest_every: int = 64
+    #: also digest every live tensor the graph does not receive (``gc``: state an op reaches
+    #: through a Python lookup), in graphs that call code which could do such a lookup (a
+    #: custom op of another namespace than torch's and pcppass's); pcppass's own per-rank
+    #: scratch is left out
+    digest_outside: bool = True
     #: watch every peer's heartbeat in the c10d store (a daemon thread per process group, nothing
     #: on the step's path): a peer that stops beating (died, hangs) or fails is named, and this
     #: rank's process group is aborted so its collectives end (NCCL) instead of waiting for the

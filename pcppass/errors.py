@@ -23,10 +23,13 @@ class PcpCoverageError(PcpError):
     uncovered :class:`~pcppass.analysis.records.StateWrite` (all of them, not just the first).
     """
 
-    def __init__(self, writes: Sequence["StateWrite"], graph_breaks: Sequence[str] = ()):
+    def __init__(self, writes: Sequence["StateWrite"], graph_breaks: Sequence[str] = (),
+                 rebound: Sequence[str] = ()):
         self.writes = list(writes)
         #: descriptions of graph breaks around the graph (eager code between graphs runs unsynced)
         self.graph_breaks = list(graph_breaks)
+        #: state the step rebinds (Dynamo stores a value it computed after the graph, unsynced)
+        self.rebound = list(rebound)
         lines = []
         if self.writes:
             lines.append(
@@ -43,11 +46,20 @@ class PcpCoverageError(PcpError):
                 "any graph, so no write it makes into state is seen or synchronised:"
             )
             lines.extend(f"  - {b}" for b in self.graph_breaks)
+        if self.rebound:
+            lines.append(
+                "the step rebinds state instead of writing it in place: Dynamo stores these values "
+                "after the graph, where no replica sync sees them, so each rank would keep its own:"
+            )
+            lines.extend(f"  - {r}" for r in self.rebound)
         fixes = []
         if self.writes:
             fixes.append("register a WritePattern for the op (pcppass.register_pattern)")
         if self.graph_breaks:
             fixes.append("remove the graph break (torch.compile(..., fullgraph=True) points at it)")
+        if self.rebound:
+            fixes.append("write the state in place inside the graph (buf.copy_(new), cache.index_copy_(...), "
+                         "a pcppass:: cache-write op) or return the value instead of storing it")
         fix = " or ".join(fixes)
         lines.append(f"{fix[0].upper()}{fix[1:]}, or compile with PcpBackend(on_uncovered='replicate') "
                      "to keep decode replicated.")

@@ -211,7 +211,7 @@ def mask_and_two_index_tensors(x, s, c):
     c["flat"][s, s % 2] = x[:, 0]
 
 
-@construct([("kv", Refused(Uncovered.SLOT_DTYPE))], kv=_kv)
+@construct([("kv", Covered())], kv=_kv)
 def int32_row_index(x, s, c):
     c["kv"].view(-1, HEADS, DIM)[s.to(torch.int32)] = x
 
@@ -367,9 +367,14 @@ def pattern_names_a_missing_argument(x, s, c):
     torch.ops.pcppass_cat.store_rows(x, c["kv"], s)
 
 
-@construct([("kv", Refused(Uncovered.SLOT_DTYPE))], kv=_kv)
+@construct([("kv", Covered())], kv=_kv)
 def int32_slot_mapping_of_a_pattern_op(x, s, c):
     torch.ops.pcppass_cat.store_any_rows(x, c["kv"], s.to(torch.int32))
+
+
+@construct([("kv", Refused(Uncovered.SLOT_DTYPE))], kv=_kv)
+def float_slot_mapping_of_a_pattern_op(x, s, c):
+    torch.ops.pcppass_cat.store_any_rows(x, c["kv"], s.to(torch.float32))
 
 
 @construct([("kv", Refused(Uncovered.UNKNOWN_MUTATING_OP))], kv=lambda: torch.zeros(4, 8, HEADS * DIM))

@@ -294,26 +294,26 @@ class Int32Slots(torch.nn.Module):
     def forward(self, x, slots, caches):
         torch.ops.pcppass_spec.store_rows(x, caches["op"], slots)            # int32 slot mapping
         caches["flat"].view(-1, 2, 16)[slots] = x.view(-1, 2, 16)            # int32 row index
-        caches["flat"].view(-1, 2, 16)[slots.long()] = x.view(-1, 2, 16)     # int64: covered
+        caches["flat"].view(-1, 2, 16)[slots.long()] = x.view(-1, 2, 16)     # int64
+        torch.ops.pcppass_spec.store_rows(x, caches["op"], slots.float())    # not integers: refused
         return x.sum()
 
 
-def test_int32_slot_mappings_are_refused_with_op_state_line_and_dtype():
+def test_int32_slot_mappings_are_covered_and_non_integer_ones_refused_with_op_state_line_and_dtype():
     register_pattern(STORE_ROWS, replace=True)
     try:
         x, slots = torch.randn(5, 32), torch.arange(5, dtype=torch.int32)
         caches = {"op": torch.zeros(4, 8, 32), "flat": torch.zeros(4, 8, 2, 16)}
-        op, setitem, ok = find_state_writes(capture_graph(Int32Slots(), StepInputs((x, slots, caches))))
+        op, setitem, ok, floats = find_state_writes(capture_graph(Int32Slots(), StepInputs((x, slots, caches))))
     finally:
         unregister_pattern(STORE_ROWS.name)
-    for w, name in ((op, "slots"), (setitem, "the row index")):
-        assert not w.covered and w.reason is Uncovered.SLOT_DTYPE
-        assert f"through slot mapping {name} of dtype torch.int32" in w.detail
-        assert w.op in w.detail and w.state in w.detail and w.source in w.detail
-        assert "test_analysis_spec.py:" in w.source
+    for w in (op, setitem, ok):
+        assert w.covered and w.bytes_per_row == 128, w
     assert op.op == "pcppass_spec::store_rows" and "int32 slot mapping" in _source_line(op.source)
-    assert "int32 row index" in _source_line(setitem.source)
-    assert ok.covered and ok.bytes_per_row == 128
+    assert not floats.covered and floats.reason is Uncovered.SLOT_DTYPE
+    assert "through slot mapping slots of dtype torch.float32" in floats.detail
+    assert floats.op in floats.detail and floats.state in floats.detail and floats.source in floats.detail
+    assert "not integers: refused" in _source_line(floats.source)
 
 
 def _source_line(location: str) -> str:

@@ -7,10 +7,10 @@ a case whose error aborts its group leaves the next case's group alone).
 * a re-run site reading a cache written before and after it: refused under the deferred schedule,
   exact under the immediate one;
 * two ranks writing one slot in one step: every rank raises the same error naming slot, ranks,
-  op, state and line, and the replicas are bitwise identical afterwards, also when a re-run site
+  op, state and line, and every replica is as it was before the step, also when a re-run site
   splits the collective's scatters (eager and Inductor);
-* state rebound by the step (a module buffer, a cache dict entry): the backend refuses the next
-  call, naming the state;
+* state rebound by the step (a module buffer, a cache dict entry): refused when compiled, naming
+  the state and the line;
 * a custom op whose ``mutates_args`` omits the cache it writes: the state digest names the cache
   (and, with the digest off, the replicas silently differ: the check is what catches it);
 * slot mappings the graph computes, bad on one rank only (out of range for a cache-write op, -1 for
@@ -234,16 +234,18 @@ def case_conflict(rank, group):
 
 
 def case_conflict_split(rank, group, inner):
-    """A slot written by both ranks in a collective split by a re-run site: every batch and the
-    re-run still run on every rank before the error (the K/V rows after the re-run included)."""
+    """A slot written by both ranks in a collective split by a re-run site, after a step that
+    filled rows 5, 9 and 3: the verdict refuses before any batch or re-run, every rank writes back
+    what its own sites wrote, so every cache is as before the refused step."""
     caches = torch.zeros(NB, BS, W), torch.zeros(NB, BS, W), torch.zeros(NB, BS, 2, 4), torch.zeros(NB, BS, 2, 4)
-    slots = torch.tensor([5, 9]) if rank == 0 else torch.tensor([5, 3])  # slot 5 twice
     torch._dynamo.reset()
     step = torch.compile(split_by_rerun, backend=PcpBackend(group=group, inner=inner, schedule="deferred"),
                          fullgraph=True)
-    error = _error(lambda: step(_rows(H, rank), slots, *caches))
-    written = [bool(c.flatten(1)[[3 // BS, 9 // BS]].any()) for c in caches]
-    return {"error": error, "caches": _bytes(*caches), "others_rows_arrived": written}
+    first = _error(lambda: step(_rows(H, rank), torch.tensor([5, 9]) if rank == 0 else torch.tensor([-1, 3]), *caches))
+    before = _bytes(*caches)
+    slots = torch.tensor([5, 9]) if rank == 0 else torch.tensor([5, 3])  # slot 5 twice
+    error = _error(lambda: step(_rows(H, rank) + 1.0, slots, *caches))
+    return {"first": first, "error": error, "before": before, "caches": _bytes(*caches)}
 
 
 def case_rebinding(rank, group, what):
@@ -346,39 +348,38 @@ def test_conflicting_slot_raises_everywhere_and_replicas_stay_identical(outcomes
     assert "pcppass::reshape_and_cache_flash" in errors[0] and "L['k_cache']" in errors[0]
     assert "test_rewrite_failclosed.py:" in errors[0]
     for a, b in zip(outcomes[0]["conflict"]["caches"], outcomes[1]["conflict"]["caches"]):
-        assert a == b
+        assert a == b == bytes(len(a)), "a replica changed although the step was refused"
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
-def test_conflict_in_a_collective_split_by_a_rerun_leaves_every_cache_identical(outcomes, inner):
+def test_conflict_in_a_collective_split_by_a_rerun_leaves_every_cache_as_before_the_step(outcomes, inner):
     cases = [o[f"conflict_split_{inner}"] for o in outcomes]
+    assert all(c["first"] is None for c in cases), [c["first"] for c in cases]
     assert cases[0]["error"] == cases[1]["error"], [c["error"] for c in cases]
     error = cases[0]["error"]
     assert "PcpSyncError" in error and "slot 5 was written by ranks [0, 1]" in error, error
     assert "failclosed::save_state" in error and "pcppass::reshape_and_cache_flash" in error, error
-    for name, a, b in zip(("state", "memory", "k_cache", "v_cache"), cases[0]["caches"], cases[1]["caches"]):
-        assert a == b, f"{name} differs across ranks after the error"
-    # the other rank's rows (slot 9 from rank 0, 3 from rank 1) reached every cache, K/V included
-    assert all(all(c["others_rows_arrived"]) for c in cases), cases
+    assert "every replica holds what it held before the step" in error, error
+    for c in cases:  # the refused step's own writes were undone, no other rank's row applied
+        for name, before, after in zip(("state", "memory", "k_cache", "v_cache"), c["before"], c["caches"]):
+            assert before == after, f"{name} changed although the step was refused"
+    assert cases[0]["before"] == cases[1]["before"]
 
 
-@pytest.mark.parametrize("what, state", [("buffer", "steps"), ("dict", "['extra']"), ("grow", "['extra']")])
-def test_state_rebound_by_the_step_is_named_by_the_backend(outcomes, what, state):
-    """The call that receives rebound state is refused on every rank before it writes anything
-    (its cache writes are absent, the synced caches equal on every rank); the rebound state itself
-    was computed by the previous step on each rank alone: equal across ranks only where every rank
-    computed the same value (``steps + 1``), not where it depends on the rank's rows."""
+@pytest.mark.parametrize("what, state", [("buffer", "_buffers"), ("dict", "['extra']"),
+                                         ("grow", "['extra']")])
+def test_state_rebound_by_the_step_is_refused_when_compiled(outcomes, what, state):
+    """The step that would rebind state (Dynamo stores what it computed after the graph) is
+    refused when compiled, on every rank, before it runs: its cache writes are absent and every
+    state is as before, on every rank."""
     cases = [o[f"rebind_{what}"] for o in outcomes]
     for o in cases:
         first, second = o["errors"]
-        assert first is None
-        assert second is not None and "replaced state instead of writing it" in second and state in second
-        assert second.startswith("PcpSyncError: pcppass: rank ")
-        assert o["synced"][1] == o["synced"][0], "the refused call wrote into the caches"
-    assert cases[0]["synced"] == cases[1]["synced"]
-    # a rebinding that changes the state's shape is refused by the new graph's first call
-    assert all(o["compiles"] == (2 if what == "grow" else 1) for o in cases), cases
-    assert (cases[0]["rebound"] == cases[1]["rebound"]) is (what == "buffer")
+        for error in (first, second):
+            assert error is not None and error.startswith("PcpCoverageError: ") and "rebinds state" in error, error
+            assert state in error and "test_rewrite_failclosed.py:" in error, error
+        assert o["synced"][0] == o["synced"][1] == [bytes(len(b)) for b in o["synced"][0]], "a cache was written"
+    assert cases[0]["rebound"] == cases[1]["rebound"]  # untouched: what it was before the step
 
 
 def test_under_declared_write_is_named_by_the_state_digest(outcomes):

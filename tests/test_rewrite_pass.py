@@ -97,8 +97,8 @@ def _counts(gm):
         "wait": torch.ops._c10d_functional.wait_tensor.default,
         "header": torch.ops.pcppass.sync_read_header.default,
         "scatter": torch.ops.pcppass.sync_scatter_rows_all.default,
-        "scatter_quiet": torch.ops.pcppass.sync_scatter_rows_all_quiet.default,
-        "raise": torch.ops.pcppass.sync_raise_slot_problems.default,
+        "snapshot": torch.ops.pcppass.sync_snapshot.default,
+        "verdict": torch.ops.pcppass.sync_verdict.default,
         "unpack": torch.ops.pcppass.sync_unpack.default,
         "clone": torch.clone,
     }
@@ -106,12 +106,13 @@ def _counts(gm):
 
 
 @pytest.mark.parametrize("schedule, expected", [
-    # deferred: the re-run site splits the one collective's scatters in two batches, each a quiet
-    # scatter, and one raise of the slot checks' findings after both
-    ("deferred", {"pack": 1, "all_gather": 1, "wait": 1, "header": 1, "scatter": 0, "scatter_quiet": 2,
-                  "raise": 1, "unpack": 2, "clone": 2}),
-    ("immediate", {"pack": 3, "all_gather": 3, "wait": 3, "header": 3, "scatter": 2, "scatter_quiet": 0,
-                   "raise": 0, "unpack": 2, "clone": 0}),
+    # deferred: a snapshot before the first write, and one before the last site (its slots are
+    # computed after the first write); one verdict before the first scatter; the re-run site
+    # splits the one collective's scatters in two batches
+    ("deferred", {"pack": 1, "all_gather": 1, "wait": 1, "header": 1, "scatter": 2, "snapshot": 2,
+                  "verdict": 1, "unpack": 2, "clone": 2}),
+    ("immediate", {"pack": 3, "all_gather": 3, "wait": 3, "header": 3, "scatter": 2, "snapshot": 0,
+                   "verdict": 3, "unpack": 2, "clone": 0}),
 ])
 def test_sync_op_counts_and_order(schedule, expected):
     def rewrite(gm):
@@ -123,14 +124,17 @@ def test_sync_op_counts_and_order(schedule, expected):
     assert _counts(gm) == expected
     assert result.collectives == (1 if schedule == "deferred" else 3) and result.sites == 3
     order = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    scatters = (torch.ops.pcppass.sync_scatter_rows_all.default, torch.ops.pcppass.sync_scatter_rows_all_quiet.default)
+    scatter = torch.ops.pcppass.sync_scatter_rows_all.default
     rerun = torch.ops.passtest.write_memory
-    first_scatter, second_scatter = [i for i, t in enumerate(order) if t in scatters]
+    first_scatter, second_scatter = [i for i, t in enumerate(order) if t is scatter]
     reruns = [i for i, t in enumerate(order) if t in (rerun, rerun.default)]
     assert len(reruns) == 2  # the owner's call and the re-run on every rank's rows
     assert first_scatter < reruns[1] < second_scatter
-    raises = [i for i, t in enumerate(order) if t is torch.ops.pcppass.sync_raise_slot_problems.default]
-    assert all(i > second_scatter for i in raises)
+    verdicts = [i for i, t in enumerate(order) if t is torch.ops.pcppass.sync_verdict.default]
+    assert verdicts[0] < first_scatter  # decided before anything is applied
+    snapshots = [i for i, t in enumerate(order) if t is torch.ops.pcppass.sync_snapshot.default]
+    if schedule == "deferred":  # before the first write / the last site
+        assert snapshots[0] < reruns[0] < snapshots[1] < verdicts[0]
 
 
 # ---------------------------------------------------------------------------------------------

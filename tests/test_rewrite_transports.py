@@ -61,8 +61,8 @@ def test_peer_store_transport_emits_one_op_and_no_scatter(group_name, monkeypatc
               torch.zeros(4, 4 * 132, dtype=torch.uint8))
     gm, _ = rewritten(copy_rows_only, inputs, group_name, peer_store.AutoTransport)
     (node,) = gm.graph.find_nodes(op="call_function", target=OPS.sync_peer_store.default)
-    assert _counts(gm) == {"pack": 0, "all_gather": 0, "wait": 0, "header": 0, "scatter": 0, "scatter_quiet": 0,
-                           "raise": 0, "unpack": 0, "clone": 0}
+    assert _counts(gm) == {"pack": 0, "all_gather": 0, "wait": 0, "header": 0, "scatter": 0, "snapshot": 0,
+                           "verdict": 0, "unpack": 0, "clone": 0}
     fp, caches, slots, layouts, payloads, segments, group, labels, verify, conflicts, reruns = node.args
     assert len(caches) == 3 and len(fp) == 64 and group == group_name and (verify, conflicts, reruns) == (True,
                                                                                                       True, False)

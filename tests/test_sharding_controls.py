@@ -74,7 +74,8 @@ def test_removed_fused_pattern_is_refused_detected_or_replicated_and_immediate_s
     assert replicated.ok, replicated.first_divergence()
     assert all(rows[0] == rows[1] for rows in per_rank[0]["replicate"].tokens_per_rank)
 
-    # immediate decode sync: one collective per site, same bytes moved in total, still exact
+    # immediate decode sync: one collective per site (and one that checks every rank's slots before
+    # the first write), same rows moved in total, still exact
     llama_ref = reference_run(configs["deferred"])
     for name in ("immediate", "deferred"):
         v = compare(llama_ref, [per_rank[r][name] for r in range(2)])

@@ -5,7 +5,7 @@ Each case runs on its own freshly initialised world group (a fail-stop aborts th
 * aten in-place writes (``setitem`` / ``index_put_`` / ``index_copy_``) with padding slot -1: Python
   indexing makes -1 the last row, so the step is refused before it runs, caches untouched;
 * a graph break (``@torch.compiler.disable`` between graphs): refused, or replicated on request;
-* state rebound outside the graph (a cache dict entry, a model buffer): the runner names it;
+* state rebound outside the graph (a cache dict entry, a model buffer): refused when compiled;
 * a recompile after warm-up that would run replicated while the engine shards decode: refused
   before it runs, replicas still equal;
 * bad slots on one rank only, a recompile on one rank only: every rank fails within seconds
@@ -333,11 +333,13 @@ def test_graph_break_is_refused_or_replicated(outcomes):
 
 @pytest.mark.timeout(420)
 def test_state_rebound_outside_the_graph_is_named(outcomes):
+    """Refused when the step is compiled, before it runs (the backend reads Dynamo's side effects)."""
     for o in outcomes:
         cache, buffer = o["rebind_cache"], o["rebind_buffer"]
-        assert cache["error"] == "PcpSyncError" and "caches['extra']" in cache["message"], cache
-        assert buffer["error"] == "PcpSyncError" and "buffer steps" in buffer["message"], buffer
-        assert "caches['k']" not in cache["message"]
+        assert cache["error"] == "PcpCoverageError" and "L['caches']['extra']" in cache["message"], cache
+        assert buffer["error"] == "PcpCoverageError" and "_buffers" in buffer["message"], buffer
+        assert "['steps']" in buffer["message"], buffer
+        assert "rebinds state" in cache["message"] and "caches']['k']" not in cache["message"]
 
 
 @pytest.mark.timeout(420)

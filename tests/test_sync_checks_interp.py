@@ -13,7 +13,7 @@ import torch
 
 from pcppass.errors import PcpInputError, PcpSyncError
 from pcppass.kernels import rows_cuda
-from pcppass.kernels.rows import read_rows
+from pcppass.kernels.rows import encode_layout
 from pcppass.runtime import device_checks
 from sync_cases import (ENCODED, FP, LAYOUTS, SITES, assert_replicas, cache_slots, expected_replica,
                         clean_status, group_name, interpret, make_ranks)  # noqa: F401  (fixtures)
@@ -45,16 +45,86 @@ def test_checked_scatter_applies_every_rank_rows(group_name, monkeypatch):
     device_checks.raise_pending("cpu")
 
 
-def test_conflicting_slot_is_zeroed_on_every_replica(group_name, monkeypatch):
+def verdict_sync(slots, other, group_name, monkeypatch, *, entries=None):
+    """The deferred protocol on two simulated ranks: snapshot before the rank's own writes, pack,
+    all-gather, verdict (device checks, write-back on a refusal), scatter with the verdict.
+    ``entries``: (cache, slot segment) pairs the verdict checks (default: cache i with its own)."""
+    n = len(LAYOUTS)
+    before = make_ranks(2, [torch.tensor([-1] * 4)] * 2, [torch.tensor([-1] * 4)] * 2)  # nothing written yet
+    snaps = [rows_cuda.snapshot_batched(before[r]["caches"], cache_slots(slots[r], other[r]), ENCODED)
+             for r in range(2)]
+    ranks = make_ranks(2, slots, other)
+    packed = [rows_cuda.pack_batched(FP, ranks[r]["caches"], cache_slots(slots[r], other[r]), ENCODED,
+                                     [slots[r], other[r]]) for r in range(2)]
+    gathered = torch.cat(packed)
+    index = rows_cuda.read_header(gathered, 2, FP, n + 2, False)
+    entries = entries or [(i, seg) for i, seg in enumerate([n, n, n, n + 1])]
+    layouts = [x for c, _ in entries for x in encode_layout(LAYOUTS[c])]
+    labels = "\n".join(f"site{c} writing cache{c}" for c, _ in entries)
+    decisions = []
+    for r in range(2):
+        monkeypatch.setattr(rows_cuda, "_group_rank", lambda _group, r=r: r)
+        decision = rows_cuda.verdict(ranks[r]["caches"], gathered, index, 2, FP, n + 2, True, [c for c, _ in entries],
+                                     [seg for _, seg in entries], layouts, labels, True, [snaps[r]],
+                                     cache_slots(slots[r], other[r]), list(range(n)), ENCODED, [n], group_name)
+        decisions.append(int(decision[0]))
+        rows_cuda.scatter_rows_all(ranks[r]["caches"], gathered, index, list(range(n)), [n, n, n, n + 1], ENCODED,
+                                   group_name, SITES, True, decision)
+    return ranks, before, decisions
+
+
+def assert_as_before(ranks, before):
+    for r in range(2):
+        for i, lay in enumerate(LAYOUTS):
+            got, want = ranks[r]["caches"][i].view(torch.uint8), before[r]["caches"][i].view(torch.uint8)
+            assert torch.equal(got, want), (r, lay)
+
+
+def test_verdict_lets_a_good_step_stand(group_name, monkeypatch):
+    slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 5, -1, 22])]
+    other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]
+    ranks, _, decisions = verdict_sync(slots, other, group_name, monkeypatch)
+    assert decisions == [0, 0]
+    expected = expected_replica(make_ranks(2, slots, other), slots, other, 0)
+    assert_replicas(ranks, expected)
+    device_checks.raise_pending("cpu")
+
+
+def test_conflicting_slot_leaves_every_replica_as_before_the_step(group_name, monkeypatch):
+    slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 9, -1, 22])]
+    other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]
+    ranks, before, decisions = verdict_sync(slots, other, group_name, monkeypatch)
+    assert decisions == [1, 1]
+    assert_as_before(ranks, before)
+    with pytest.raises(PcpSyncError, match=r"site\d writing cache\d: slot 9 was written by rank"):
+        device_checks.raise_pending("cpu")
+
+
+def test_one_cache_written_by_two_sites_is_one_cache(group_name, monkeypatch):
+    """Rank 0 writes slot 1 of cache 0 at one site, rank 1 at another (its other slot mapping):
+    two owners of one row, although no segment holds slot 1 twice."""
+    n = len(LAYOUTS)
+    slots = [torch.tensor([1, -1, 9, 0]), torch.tensor([17, 5, -1, 22])]
+    other = [torch.tensor([11, 3, -1, 7]), torch.tensor([-1, 1, 20, 2])]
+    entries = [(0, n), (0, n + 1), (1, n), (2, n), (3, n + 1)]
+    ranks, before, decisions = verdict_sync(slots, other, group_name, monkeypatch, entries=entries)
+    assert decisions == [1, 1]
+    assert_as_before(ranks, before)
+    with pytest.raises(PcpSyncError, match="slot 1 was written by rank"):
+        device_checks.raise_pending("cpu")
+
+
+def test_conflict_without_a_verdict_applies_nothing(group_name, monkeypatch):
+    """The scatter op called without a verdict checks its own slots: a conflict applies nothing
+    (each rank keeps its own rows: only a verdict with a snapshot can restore them)."""
     slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 9, -1, 22])]
     other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]
     ranks = make_ranks(2, slots, other)
+    written = [[c.clone() for c in r["caches"]] for r in ranks]
     all_gather_sync(ranks, slots, other, group_name, monkeypatch)
-    for i in range(3):
-        rows = [read_rows(r["caches"][i], torch.tensor([9]), LAYOUTS[i]) for r in ranks]
-        assert not rows[0].any() and not rows[1].any()
-    for i, lay in enumerate(LAYOUTS):
-        assert torch.equal(ranks[0]["caches"][i].view(torch.uint8), ranks[1]["caches"][i].view(torch.uint8)), lay
+    for r in range(2):
+        for got, want in zip(ranks[r]["caches"], written[r]):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     with pytest.raises(PcpSyncError, match=r"site\d writing cache\d: slot 9 was written by rank"):
         device_checks.raise_pending("cpu")
 
@@ -77,13 +147,12 @@ def test_headers_that_differ_apply_nothing(group_name, monkeypatch):
     device_checks.status("cpu").zero_()
 
 
-def test_remote_slot_out_of_range_is_dropped(group_name, monkeypatch):
+def test_remote_slot_out_of_range_refuses_the_step(group_name, monkeypatch):
     slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 5, -1, 5000])]
     other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]
-    ranks = make_ranks(2, slots, other)
-    all_gather_sync(ranks, slots, other, group_name, monkeypatch)
-    for i, lay in enumerate(LAYOUTS):
-        assert torch.equal(ranks[0]["caches"][i].view(torch.uint8), ranks[1]["caches"][i].view(torch.uint8)), lay
+    ranks, before, decisions = verdict_sync(slots, other, group_name, monkeypatch)
+    assert decisions == [1, 1]
+    assert_as_before(ranks, before)
     with pytest.raises(PcpSyncError, match="wrote slot 5000, outside the cache"):
         device_checks.raise_pending("cpu")
 
@@ -103,7 +172,15 @@ def test_slot_inputs_checked_on_the_device_and_raised_before_the_next_step():
     step(torch.tensor([3, -1, 9, 0]), torch.tensor([-1, 7]))  # an aten write: -1 is the last row
     with pytest.raises(PcpInputError, match="slot mapping idx holds slot -1"):
         device_checks.raise_pending("cpu")
-    with pytest.raises(PcpInputError, match="must be an int64 tensor, got torch.int32"):
-        step(torch.tensor([3, -1, 9, 0], dtype=torch.int32), torch.tensor([1, 7]))
+    for dtype in (torch.int32, torch.int16, torch.int8):  # any integer width, read as it is
+        step(torch.tensor([3, -1, 9, 0], dtype=dtype), torch.tensor([1, 7], dtype=dtype))
+        device_checks.raise_pending("cpu")
+    step(torch.tensor([3, 23, 9, 0], dtype=torch.uint8), torch.tensor([1, 7], dtype=torch.uint8))
+    device_checks.raise_pending("cpu")
+    step(torch.tensor([3, -1, 9, 0], dtype=torch.int32), torch.tensor([1, 8], dtype=torch.int32))
+    with pytest.raises(PcpInputError, match="slot mapping idx holds slot 8"):
+        device_checks.raise_pending("cpu")
+    with pytest.raises(PcpInputError, match="must be an integer tensor .*, got torch.float32"):
+        step(torch.tensor([3, -1, 9, 0], dtype=torch.float32), torch.tensor([1, 7]))
     with pytest.raises(PcpInputError, match="has 3 slots for 4 rows"):
         step(torch.tensor([3, -1, 9]), torch.tensor([1, 7]))

@@ -14,7 +14,7 @@ Order of the checks, each an early return with its reason:
 2. no pattern covers the op: a user Triton kernel, an unknown mutating op, or (for in-place aten
    spellings with no row index: ``add_``, ``fill_``, ``copy_`` into a fixed region) non-row state;
 3. the written tensor is a view the rewrite cannot invert;
-4. the slot mapping (or row index) is not int64: the replica sync reads slots as int64;
+4. the slot mapping (or row index) is not an integer tensor (any integer width is sent as int64);
 5. the layout does not resolve on the written tensor (wrong rank, sizes that depend on a dynamic
    dim, an index form that is not one row index): unknown layout;
 6. the bytes per row the op writes (from the written value's shape and dtype: ``source`` of
@@ -135,16 +135,21 @@ def _resolve(record: StateWrite, layout: RowLayout, written_value: torch.Tensor)
     record.layout = resolved
 
 
-def _slots_are_int64(record: StateWrite, slots: torch.fx.Node, name: str) -> bool:
-    """The sync reads every slot mapping as int64 bytes: refuse any other dtype here."""
+def _slots_are_integers(record: StateWrite, slots: torch.fx.Node, name: str) -> bool:
+    """Slots are integers of any width (the sync sends them as int64, the same values); a bool
+    or floating "slot mapping" addresses no rows: refuse it here."""
     value = node_value(slots)
-    if not isinstance(value, torch.Tensor) or value.dtype == torch.int64:
+    if not isinstance(value, torch.Tensor) or is_integer_dtype(value.dtype):
         return True
     _uncovered(record, Uncovered.SLOT_DTYPE,
                f"{record.op} at {record.source} writes {record.state} through slot mapping {name} "
-               f"of dtype {value.dtype}; the replica sync reads slots as int64: pass "
-               f"{name}.to(torch.int64)")
+               f"of dtype {value.dtype}; slots must be integers (int64, int32, ...)")
     return False
+
+
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """An integer dtype a slot mapping may have (bool is not one)."""
+    return dtype != torch.bool and not dtype.is_floating_point and not dtype.is_complex
 
 
 def _missing_arguments(record: StateWrite, pattern: WritePattern) -> list[str]:
@@ -233,7 +238,7 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
             _uncovered(record, Uncovered.UNKNOWN_LAYOUT, f"index_copy_ along a non-constant dim {dim}")
             return
         index = record.bound_args.get("index")
-        if isinstance(index, torch.fx.Node) and not _slots_are_int64(record, index, "index"):
+        if isinstance(index, torch.fx.Node) and not _slots_are_integers(record, index, "index"):
             return
         _resolve(record, IndexedDim(dim=dim), written)
         return
@@ -259,7 +264,7 @@ def _classify_family(record: StateWrite, pattern: WritePattern | None) -> None:
         _uncovered(record, Uncovered.UNKNOWN_LAYOUT,
                    f"{record.op} on {record.state}: the index is not a 1-D integer tensor")
         return
-    if not _slots_are_int64(record, items[dim], "the row index"):
+    if not _slots_are_integers(record, items[dim], "the row index"):
         return
     base = node_value(record.state_node)
     if dim == 0 and record.view is not None and is_base_flattened_paged(base, record.view):
@@ -458,7 +463,7 @@ def _classify_tensor_write(record: StateWrite) -> StateWrite:
                    f"pattern {pattern.name}: slot argument {role.slots!r} of {record.op} "
                    f"is not a tensor in the graph")
         return record
-    if not _slots_are_int64(record, record.bound_args[role.slots], role.slots):
+    if not _slots_are_integers(record, record.bound_args[role.slots], role.slots):
         return record
     _resolve(record, role.layout, node_value(record.written_node))
     if record.layout is not None:

@@ -234,7 +234,8 @@ def _instance_of(namespace: dict) -> object:
 
 def _path_to(obj: object, ignore: tuple, depth: int = 3) -> str | None:
     """How Python reaches ``obj``: ``module.NAME[key]``, ``Class.attr``, ``closure of f``."""
-    for ref in gc.get_referrers(obj):
+    referrers = gc.get_referrers(obj)  # a module's globals first: the name a reader knows
+    for ref in sorted(referrers, key=lambda r: not (isinstance(r, dict) and _module_named(r) is not None)):
         if any(ref is own for own in ignore) or isinstance(ref, types.FrameType):
             continue
         if isinstance(ref, (dict, list)):

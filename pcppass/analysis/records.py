@@ -45,7 +45,7 @@ class Uncovered(str, enum.Enum):
     USER_TRITON_KERNEL = "user Triton kernel writes state"
     WRITE_IN_HIGHER_ORDER_OP = "write inside a higher-order op region"
     ROW_BYTES_MISMATCH = "layout bytes per row differ from the bytes the op writes per row"
-    SLOT_DTYPE = "slot mapping is not int64"
+    SLOT_DTYPE = "slot mapping is not an integer tensor"
     TENSOR_SUBCLASS_STATE = "state is a tensor subclass"
     UNKNOWN_STORAGE = "written tensor's storage is unknown"
     STALE_REVIEW = "declaration reviewed for another release"

@@ -150,7 +150,7 @@ def store(
     if phase & 2 and (verify or check_conflicts):
         chunks = row_kernels.Chunks(reps.mailbox, row_kernels.MAILBOX_FLAGS, reps.capacity,
                                     reps.world * reps.capacity, reps.counters)
-        row_kernels.check(chunks, tiles, reps.me, reps.world, head.numel(), check_conflicts)
+        row_kernels.check(chunks, tiles, reps.me, reps.world, head.numel(), check_conflicts, zero=True)
     rows_bytes = sum(c * lay.bytes_per_row for c, lay in zip(counts, decoded))
     if phase & 1:
         SYNC_COUNTERS.record(rows_bytes + chunk, reps.world)

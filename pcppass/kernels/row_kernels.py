@@ -321,39 +321,51 @@ class Chunks:
     counters: torch.Tensor | None = None
 
 
-def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, conflicts: bool) -> None:
-    """Every rank's header against this rank's and, with ``conflicts``, every slot of the
-    segments ``tiles.extra["segs"]`` against the other ranks' (see ``check_kernel``): row flags in
-    ``tiles.extra["flags"]``, ``tiles.extra["verdict"][0]`` 1 when the headers differ; rows two
-    ranks wrote are zeroed in the caches of ``tiles``' entries."""
+def check(chunks: Chunks, tiles: TileTable, me: int, world: int, head_len: int, conflicts: bool,
+          zero: bool = False) -> None:
+    """Every rank's header against this rank's, every slot of the segments ``tiles.extra["segs"]``
+    against its cache's slot count where given and, with ``conflicts``, against the other ranks'
+    slots of the segments of its group (see ``check_kernel``): row flags in
+    ``tiles.extra["flags"]``, ``tiles.extra["verdict"][0]`` 1 when anything was found. With
+    ``zero`` (peer stores), rows two ranks wrote are zeroed in the caches of ``tiles``' entries."""
     segs = tiles.extra["segs"]
+    verdict = tiles.extra["verdict"]
+    verdict.zero_()
     per_rank = max(1, -(-int(tiles.extra["max_rows"]) // CHECK_ROWS))
     kernels().check_kernel[(segs.shape[0], world * per_rank)](
         chunks.anchor, chunks.offset, chunks.stride, chunks.half,
-        chunks.counters if chunks.counters is not None else segs, segs, tiles.extra["flags"],
-        tiles.extra["verdict"], tiles.table, tiles.num_entries, device_checks.status(chunks.anchor.device), me,
-        world, head_len, int(conflicts), per_rank, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS, BLOCK_K=CHECK_ROWS,
-        BLOCK_H=256)
+        chunks.counters if chunks.counters is not None else segs, segs, segs.shape[0], tiles.extra["flags"],
+        verdict, tiles.table, tiles.num_entries, device_checks.status(chunks.anchor.device), me,
+        world, head_len, int(conflicts), int(zero), per_rank, ENTRY=TILE_FIELDS, BLOCK_N=CHECK_ROWS,
+        BLOCK_K=CHECK_ROWS, BLOCK_H=256)
 
 
-def check_tables(segments: Sequence[tuple[int, int, int, int]], world: int) -> dict:
+def check_tables(segments: Sequence[tuple[int, ...]], world: int) -> dict:
     """``extra`` of a table checked by :func:`check`: ``segments`` = (rows, label, byte offset of
-    the slots in a chunk, alignment of those slots) per slot segment."""
+    the slots in a chunk, alignment of those slots[, group, slots of its cache]) per slot segment;
+    segments of one group (one cache) are compared with each other (by default each is its own
+    group); a slot count of -1 (the default) leaves ranges unchecked."""
     rows, at = [], 0
-    for n, label, offset, align in segments:
-        rows.append([n, label, at, offset, align])
+    for k, (n, label, offset, align, *rest) in enumerate(segments):
+        group, limit = rest if rest else (k, -1)
+        rows.append([n, label, at, offset, align, group, limit])
         at += world * n
-    return {"segs": torch.tensor(rows or [[0, 0, 0, 0, 8]], dtype=torch.int64),
+    return {"segs": torch.tensor(rows or [[0, 0, 0, 0, 8, 0, -1]], dtype=torch.int64),
             "flags": torch.zeros(max(at, 1), dtype=torch.uint8), "verdict": torch.zeros(1, dtype=torch.int32),
-            "max_rows": max((n for n, _, _, _ in segments), default=0)}
+            "max_rows": max((seg[0] for seg in segments), default=0)}
 
 
-def scatter(buf: torch.Tensor, tiles: TileTable) -> None:
-    """Run a scatter table: rows from ``buf`` into the caches (flags from :func:`check`)."""
+def scatter(buf: torch.Tensor, tiles: TileTable, verdict: torch.Tensor | None = None,
+            when_refused: bool = False) -> None:
+    """Run a scatter table: rows from ``buf`` into the caches (flags from :func:`check`), if the
+    step's ``verdict`` (none: the step stands) is a refusal exactly when ``when_refused`` (the
+    write-back of a snapshot)."""
     if tiles.num_tiles:
         flags = tiles.extra.get("flags", buf)
-        kernels().scatter_kernel[(tiles.num_tiles,)](buf, tiles.table, tiles.tiles, flags,
-                                                     device_checks.status(buf.device),
+        if verdict is None:
+            verdict = tiles.extra.setdefault("stands", torch.zeros(1, dtype=torch.int32, device=buf.device))
+        kernels().scatter_kernel[(tiles.num_tiles,)](buf, tiles.table, tiles.tiles, flags, verdict,
+                                                     int(when_refused), device_checks.status(buf.device),
                                                      ENTRY=TILE_FIELDS, BLOCK=BLOCK)
 
 
@@ -371,12 +383,14 @@ _INPUT_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def check_inputs(checks: Sequence[tuple[torch.Tensor, int, int, int]]) -> None:
-    """``(slots, lowest, limit, label)``: every slot must lie in ``[lowest, limit)``; one launch
-    per :data:`MAX_ARGS` inputs, nothing read back."""
+    """``(slots, lowest, limit, label)``: every slot (an integer tensor of any width in
+    ``device_checks.SLOT_DTYPE_CODES``) must lie in ``[lowest, limit)``; one launch per
+    :data:`MAX_ARGS` inputs, nothing read back."""
     for start in range(0, len(checks), MAX_ARGS):
         part = checks[start:start + MAX_ARGS]
         device = part[0][0].device
-        rows = tuple((k, s.numel(), low, high, lab) for k, (s, low, high, lab) in enumerate(part))
+        rows = tuple((k, s.numel(), low, high, lab, device_checks.SLOT_DTYPE_CODES[s.dtype])
+                     for k, (s, low, high, lab) in enumerate(part))
         table = _INPUT_TABLES.get((device, rows))
         if table is None:  # built once per configuration: a captured step replays it
             table = _INPUT_TABLES[(device, rows)] = torch.tensor(rows, dtype=torch.int64).to(device)

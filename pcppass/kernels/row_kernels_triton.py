@@ -75,7 +75,7 @@ S_INPUT = tl.constexpr(status_words.INPUT)
 S_INPUT_VALUE = tl.constexpr(status_words.INPUT_VALUE)
 S_OUT_OF_STEP = tl.constexpr(status_words.OUT_OF_STEP)
 
-#: a row's check flag: 0 apply it, 1 its slot has two owners (zeroed), 2 the headers differ
+#: a row's check flag: 0 apply it, 1 its slot has two owners, 2 the headers differ
 CONFLICT = tl.constexpr(1)
 HEADERS_DIFFER = tl.constexpr(2)
 #: bytes before the data of a mailbox: one int64 epoch flag per rank (written by that rank)
@@ -296,20 +296,20 @@ def _headers_differ(base, stride, me, world, head_len, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _conflicting_rows(anchor, slots_at, align, rank, world, stride, n, i, mi, BLOCK_K: tl.constexpr):
-    """Rank ``rank``'s slots of rows ``i`` (rank r's slots start at ``slots_at + r * stride``) and,
-    per row, 1 when another rank holds the same slot (>= 0) in the same segment."""
-    mine = _slot_at(anchor, slots_at + rank * stride + 8 * i.to(tl.int64), mi, align)
-    hit = tl.full(i.shape, 0, tl.int32)
+def _conflicting_rows(anchor, mine, mi, theirs_at, align, rank, world, stride, n, BLOCK_K: tl.constexpr):
+    """Per row of ``mine`` (this rank ``rank``'s slots), 1 when another rank holds the same slot
+    (>= 0) among the ``n`` slots of a segment whose rank-0 copy starts at ``theirs_at`` (rank r's
+    at ``theirs_at + r * stride``)."""
+    hit = tl.full(mine.shape, 0, tl.int32)
     for other in range(world):
         if other != rank:
             for k0 in range(0, n, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 mk = k < n
-                theirs = _slot_at(anchor, slots_at + other * stride + 8 * k.to(tl.int64), mk, align)
+                theirs = _slot_at(anchor, theirs_at + other * stride + 8 * k.to(tl.int64), mk, align)
                 eq = (mine[:, None] == theirs[None, :]) & mk[None, :] & (mine[:, None] >= 0)
                 hit = hit | _largest(eq.to(tl.int32), axis=1)
-    return mine, hit & mi.to(tl.int32)
+    return hit & mi.to(tl.int32)
 
 
 @triton.jit
@@ -331,46 +331,63 @@ def _zero_rows(table, num_entries, anchor, segment, slot, rows, ENTRY: tl.conste
 
 
 @triton.jit
-def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdict, table, num_entries, status,
-                 me, world, head_len, conflicts, chunks_per_rank,
+def check_kernel(anchor, base_offset, stride, half, counters, segs, num_segs, flags, verdict, table, num_entries,
+                 status, me, world, head_len, conflicts, zero, chunks_per_rank,
                  ENTRY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """After an exchange, on every rank: headers equal, one owner per slot.
+    """After an exchange, on every rank: headers equal, slots in range, one owner per row.
 
     Rank r's chunk (header, then segments) lies at ``anchor + base_offset + r * stride`` (the
     gathered buffer), or, with ``half`` > 0, in the mailbox half of the last sync (``counters[0] %
     2``). Program (j, q): slot segment ``segs[j] = (rows, label, flag index of rank 0's row 0,
-    byte offset of the slots in a chunk, alignment)``, rows ``BLOCK_N * (q % chunks_per_rank)...``
-    of rank ``q // chunks_per_rank``. Each row's flag: 2 when any rank's header differs from this
-    rank's (nothing may be read by offset), else 1 when another rank holds its slot (with
-    ``conflicts``): that slot is zeroed in this rank's caches here, on every rank alike, so the
-    replicas stay identical. ``verdict[0]``: 1 when the headers differ."""
+    byte offset of the slots in a chunk, alignment, group, slots of its cache or -1)``, rows
+    ``BLOCK_N * (q % chunks_per_rank)...`` of rank ``q // chunks_per_rank``. Each row's flag: 2
+    when any rank's header differs from this rank's (nothing may be read by offset), else 1 when
+    another rank holds its slot in any segment of the same group (one cache written by several
+    sites), with ``conflicts``; with ``zero`` that slot is zeroed in this rank's caches here, on
+    every rank alike (peer stores, whose rows are already in every replica). ``verdict[0]`` (zeroed
+    by the caller) becomes 1 when anything is found: the headers differ, a slot is outside its
+    cache (where its slot count is given), or a row has two owners."""
     j = tl.program_id(0)
     q = tl.program_id(1)
     r = q // chunks_per_rank
     i = (q % chunks_per_rank) * BLOCK_N + tl.arange(0, BLOCK_N)
-    seg = segs + 5 * j
+    seg = segs + 7 * j
     n = tl.load(seg).to(tl.int32)
     base = anchor.to(tl.int64) + base_offset + (tl.load(counters) % 2) * half
     differs = _headers_differ(base, stride, me, world, head_len, BLOCK_H)
-    if (j == 0) & (q == 0):
-        tl.store(verdict, (differs >= 0).to(tl.int32))
-        if differs >= 0:
-            tl.store(status + S_HEADER, differs + 1)
+    if (j == 0) & (q == 0) & (differs >= 0):
+        tl.store(verdict, 1)
+        tl.store(status + S_HEADER, differs + 1)
     mi = i < n
     flag_at = flags + tl.load(seg + 2) + r * n + i
     if differs >= 0:
         tl.store(flag_at, HEADERS_DIFFER, mask=mi)
-    elif conflicts == 0:
-        tl.store(flag_at, 0, mask=mi)
     else:
-        slots_at = base + tl.load(seg + 3)
-        slot, hit = _conflicting_rows(anchor, slots_at, tl.load(seg + 4), r, world, stride, n, i, mi, BLOCK_K)
+        align = tl.load(seg + 4)
+        slot = _slot_at(anchor, base + tl.load(seg + 3) + r * stride + 8 * i.to(tl.int64), mi, align)
+        limit = tl.load(seg + 6)
+        outside = mi & (limit >= 0) & ((slot < -1) | (slot >= limit))
+        if _largest(outside.to(tl.int32), axis=0) > 0:
+            tl.store(verdict, 1)
+            tl.store(status + S_RANGE_SLOT, _largest(tl.where(outside, slot, MOST_NEGATIVE), axis=0))
+            tl.store(status + S_RANGE_RANK, r)
+            tl.store(status + S_RANGE, tl.load(seg + 1) + 1)
+        hit = tl.full(i.shape, 0, tl.int32)
+        if conflicts != 0:
+            group = tl.load(seg + 5)
+            for k in range(num_segs):
+                other = segs + 7 * k
+                if tl.load(other + 5) == group:
+                    hit = hit | _conflicting_rows(anchor, slot, mi, base + tl.load(other + 3), tl.load(other + 4),
+                                                  r, world, stride, tl.load(other).to(tl.int32), BLOCK_K)
         tl.store(flag_at, hit.to(tl.uint8), mask=mi)
         if _largest(hit, axis=0) > 0:
+            tl.store(verdict, 1)
             tl.store(status + S_CONFLICT_SLOT, _largest(tl.where(hit > 0, slot, MOST_NEGATIVE), axis=0))
             tl.store(status + S_CONFLICT_RANK, r)
             tl.store(status + S_CONFLICT, tl.load(seg + 1) + 1)
-            _zero_rows(table, num_entries, anchor, j, slot, hit > 0, ENTRY, 64)
+            if zero != 0:
+                _zero_rows(table, num_entries, anchor, j, slot, hit > 0, ENTRY, 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +396,7 @@ def check_kernel(anchor, base_offset, stride, half, counters, segs, flags, verdi
 
 
 @triton.jit
-def _scatter_tile(entry, first, buf, anchor, flags, status, W: tl.constexpr, BLOCK: tl.constexpr):
+def _scatter_tile(entry, first, buf, anchor, flags, status, apply_all, W: tl.constexpr, BLOCK: tl.constexpr):
     row, col, live = _words(entry, first, BLOCK)
     slot_addr = buf.to(tl.int64) + tl.load(entry + F_SLOT) + row.to(tl.int64) * 8
     slot = _slot_at(anchor, slot_addr, live, tl.load(entry + F_ARG))
@@ -387,28 +404,31 @@ def _scatter_tile(entry, first, buf, anchor, flags, status, W: tl.constexpr, BLO
     flag_at = tl.load(entry + F_CHECK)
     skip = tl.load(flags + flag_at + row, mask=live & (flag_at >= 0), other=0) != 0
     src = buf.to(tl.int64) + tl.load(entry + F_BUF) + row.to(tl.int64) * tl.load(entry + F_BPR) + col * W
-    apply = valid & ~skip
+    apply = valid & ~skip & apply_all
     _move(anchor, src, _cache_address(entry, safe, col, W), apply, apply, W)
 
 
 @triton.jit
-def scatter_kernel(buf, table, tiles, flags, status, ENTRY: tl.constexpr, BLOCK: tl.constexpr):
-    """Program t: tile ``tiles[t] = (entry, first word)`` of rows another rank sent; rows whose
-    check flag is set (two owners: zeroed by ``check_kernel``; headers differ) are skipped."""
+def scatter_kernel(buf, table, tiles, flags, verdict, when_refused, status, ENTRY: tl.constexpr, BLOCK: tl.constexpr):
+    """Program t: tile ``tiles[t] = (entry, first word)`` of rows from ``buf`` (rows another rank
+    sent; with ``when_refused``, this rank's snapshot of its own rows); rows whose check flag is
+    set (two owners, headers differ) are skipped. The whole table applies only when the step's
+    verdict (``verdict[0]`` != 0: refused) equals ``when_refused``."""
     t = tl.program_id(0)
     entry = table + tl.load(tiles + 2 * t) * ENTRY
     first = tl.load(tiles + 2 * t + 1)
+    apply_all = (tl.load(verdict) != 0) == (when_refused != 0)
     width = tl.load(entry + F_WIDTH)
     if width == 16:
-        _scatter_tile(entry, first, buf, table, flags, status, 16, BLOCK)
+        _scatter_tile(entry, first, buf, table, flags, status, apply_all, 16, BLOCK)
     elif width == 8:
-        _scatter_tile(entry, first, buf, table, flags, status, 8, BLOCK)
+        _scatter_tile(entry, first, buf, table, flags, status, apply_all, 8, BLOCK)
     elif width == 4:
-        _scatter_tile(entry, first, buf, table, flags, status, 4, BLOCK)
+        _scatter_tile(entry, first, buf, table, flags, status, apply_all, 4, BLOCK)
     elif width == 2:
-        _scatter_tile(entry, first, buf, table, flags, status, 2, BLOCK)
+        _scatter_tile(entry, first, buf, table, flags, status, apply_all, 2, BLOCK)
     else:
-        _scatter_tile(entry, first, buf, table, flags, status, 1, BLOCK)
+        _scatter_tile(entry, first, buf, table, flags, status, apply_all, 1, BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,17 +437,34 @@ def scatter_kernel(buf, table, tiles, flags, status, ENTRY: tl.constexpr, BLOCK:
 
 
 @triton.jit
+def _slots_of(x, code, i, mask, other):
+    """int64 slots ``i`` of argument tensor ``x`` (bytes) holding integers of dtype ``code``
+    (``device_checks.SLOT_DTYPE_CODES``: int64, int32, int16, int8, uint8)."""
+    s = tl.load(x.to(tl.pointer_type(tl.int64), bitcast=True) + i, mask=mask & (code == 0), other=other)
+    s32 = tl.load(x.to(tl.pointer_type(tl.int32), bitcast=True) + i, mask=mask & (code == 1), other=0)
+    s16 = tl.load(x.to(tl.pointer_type(tl.int16), bitcast=True) + i, mask=mask & (code == 2), other=0)
+    s8 = tl.load(x.to(tl.pointer_type(tl.int8), bitcast=True) + i, mask=mask & (code == 3), other=0)
+    u8 = tl.load(x.to(tl.pointer_type(tl.uint8), bitcast=True) + i, mask=mask & (code == 4), other=0)
+    s = tl.where(code == 1, s32.to(tl.int64), s)
+    s = tl.where(code == 2, s16.to(tl.int64), s)
+    s = tl.where(code == 3, s8.to(tl.int64), s)
+    s = tl.where(code == 4, u8.to(tl.int64), s)
+    return tl.where(mask, s, other)
+
+
+@triton.jit
 def input_kernel(checks, x0, x1, x2, x3, x4, x5, x6, x7, status, BLOCK: tl.constexpr):
-    """Program c: ``checks[c] = (argument, count, lowest, limit, id)``: every slot of argument
-    tensor ``x[argument]`` (int64) must lie in ``[lowest, limit)``."""
-    c = checks + tl.program_id(0) * 5
-    slots = _arg(tl.load(c), x0, x1, x2, x3, x4, x5, x6, x7).to(tl.pointer_type(tl.int64), bitcast=True)
+    """Program c: ``checks[c] = (argument, count, lowest, limit, id, dtype code)``: every slot of
+    argument tensor ``x[argument]`` (integers, see :func:`_slots_of`) must lie in ``[lowest, limit)``."""
+    c = checks + tl.program_id(0) * 6
+    x = _arg(tl.load(c), x0, x1, x2, x3, x4, x5, x6, x7)
     n = tl.load(c + 1)
     low = tl.load(c + 2)
     high = tl.load(c + 3)
+    code = tl.load(c + 5)
     for i0 in range(0, n, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
-        s = tl.load(slots + i, mask=i < n, other=low)
+        s = _slots_of(x, code, i, i < n, low)
         bad = (s < low) | (s >= high)
         if _largest(bad.to(tl.int32), axis=0) > 0:
             tl.store(status + S_INPUT_VALUE, _largest(tl.where(bad, s, MOST_NEGATIVE), axis=0))

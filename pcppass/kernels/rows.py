@@ -29,9 +29,14 @@ declares ``mutates_args`` so functionalization orders every later read of the ca
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 
+from pcppass.kernels.owners import num_slots
 from pcppass.runtime.stats import SYNC_COUNTERS
 from pcppass.spec import ResolvedLayout
 
@@ -74,13 +79,6 @@ def decode_layouts(encoded: list[int]) -> list[ResolvedLayout]:
     return layouts
 
 
-def num_slots(cache: torch.Tensor, layout: ResolvedLayout) -> int:
-    """How many slots ``cache`` has under ``layout`` (valid slots are ``[0, num_slots)``)."""
-    if layout.kind == "paged_rows":
-        return cache.shape[0] * cache.shape[1]
-    if layout.kind == "block_split":
-        return cache.shape[0] * layout.block_size
-    return cache.shape[layout.dim]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -225,22 +223,16 @@ def _sync_pack_fake(fingerprint, caches, cache_slots, layouts, payloads):
     return anchor.new_empty((total,), dtype=torch.uint8)
 
 
-@torch.library.custom_op("pcppass::sync_read_header", mutates_args=())
-def sync_read_header(
-    gathered: torch.Tensor, world_size: int, fingerprint: str, num_segments: int, verify: bool
-) -> torch.Tensor:
-    """``[world, num_segments, 2]`` (offset, size) of every rank's segments in ``gathered``.
-
-    With ``verify``, every rank's header must carry this rank's fingerprint and segment sizes:
-    ranks that traced different graphs fail here, before any replica is touched.
-    """
+def _read_headers(gathered: torch.Tensor, world_size: int, fingerprint: str,
+                  num_segments: int) -> tuple[torch.Tensor, str | None]:
+    """The segment table of ``gathered`` (every rank's sizes as its header states them) and what
+    is wrong with the headers (None: every rank's carries this rank's fingerprint and sizes)."""
     chunk = gathered.numel() // world_size
-    SYNC_COUNTERS.record(chunk, world_size)
     head_len = header_bytes(num_segments)
     heads = gathered.view(world_size, chunk)[:, :head_len].cpu()
     index = torch.empty(world_size, num_segments, 2, dtype=torch.int64)
     mine = _fingerprint_bytes(fingerprint)
-    fingerprints, sizes_by_rank = [], []
+    fingerprints, sizes_by_rank, invalid = [], [], None
     for r in range(world_size):
         head = heads[r]
         magic = bytes(head[: len(MAGIC)].tolist())
@@ -248,31 +240,42 @@ def sync_read_header(
         ints = head[len(MAGIC) + FINGERPRINT_BYTES:].clone().view(torch.int64)
         fingerprints.append(fp.hex())
         sizes_by_rank.append(ints.tolist())
-        if verify and (magic != MAGIC or int(ints[0]) != num_segments):
-            raise _sync_error(
-                f"rank {r}'s sync buffer has no valid pcppass header (magic {magic!r}, "
-                f"{int(ints[0])} segments, expected {num_segments})", fingerprints)
+        if invalid is None and (magic != MAGIC or int(ints[0]) != num_segments):
+            invalid = (f"rank {r}'s sync buffer has no valid pcppass header (magic {magic!r}, "
+                       f"{int(ints[0])} segments, expected {num_segments})")
         sizes = ints[1:1 + num_segments]
         offsets = torch.cumsum(sizes, 0) - sizes + r * chunk + head_len
         index[r, :, 0] = offsets
         index[r, :, 1] = sizes
-    if verify:
-        if any(fp != mine.hex() for fp in fingerprints):
-            raise _sync_error("ranks traced different graphs: their sync fingerprints differ",
-                              fingerprints)
-        if any(s != sizes_by_rank[0] for s in sizes_by_rank):
-            raise _sync_error(f"ranks packed different segment sizes: {sizes_by_rank}", fingerprints)
+    problem = invalid
+    if problem is None and any(fp != mine.hex() for fp in fingerprints):
+        problem = "ranks traced different graphs: their sync fingerprints differ"
+    if problem is None and any(s != sizes_by_rank[0] for s in sizes_by_rank):
+        problem = f"ranks packed different segment sizes: {sizes_by_rank}"
+    if problem is not None:
+        listing = ", ".join(f"rank {r}: {fp}" for r, fp in enumerate(fingerprints))
+        problem = (f"pcppass replica sync: {problem} [{listing}]. Every rank must compile and run the "
+                   "same step graph (same model, same pcppass configuration, same step kind).")
+    return index, problem
+
+
+@torch.library.custom_op("pcppass::sync_read_header", mutates_args=())
+def sync_read_header(
+    gathered: torch.Tensor, world_size: int, fingerprint: str, num_segments: int, verify: bool
+) -> torch.Tensor:
+    """``[world, num_segments, 2]`` (offset, size) of every rank's segments in ``gathered``.
+
+    With ``verify``, every rank's header must carry this rank's fingerprint and segment sizes:
+    ranks that traced different graphs fail here, before any replica is touched. (The rewrite
+    leaves that to ``pcppass::sync_verdict``, which also restores what the step wrote.)
+    """
+    SYNC_COUNTERS.record(gathered.numel() // world_size, world_size)
+    index, problem = _read_headers(gathered, world_size, fingerprint, num_segments)
+    if verify and problem is not None:
+        from pcppass.errors import PcpSyncError
+
+        raise PcpSyncError(problem)
     return index.to(gathered.device)
-
-
-def _sync_error(what: str, fingerprints: list[str]):
-    from pcppass.errors import PcpSyncError
-
-    listing = ", ".join(f"rank {r}: {fp}" for r, fp in enumerate(fingerprints))
-    return PcpSyncError(
-        f"pcppass replica sync: {what} [{listing}]. Every rank must compile and run the same step "
-        "graph (same model, same pcppass configuration, same step kind)."
-    )
 
 
 @sync_read_header.register_fake
@@ -291,6 +294,228 @@ def every_rank_slots(gathered: torch.Tensor, index: torch.Tensor, slots_segment:
             for r in range(index.shape[0])]
 
 
+def _raise_sync_problems(problems: list[str | None], tail: str = "") -> None:
+    found = [p for p in problems if p is not None]
+    if found:
+        from pcppass.errors import PcpSyncError
+
+        raise PcpSyncError("; ".join(found) + tail)
+
+
+# ---------------------------------------------------------------------------------------------
+# The verdict: every rank decides alike, from the gathered buffer, whether the step stands
+# ---------------------------------------------------------------------------------------------
+#
+# Every owner's op has written its rows into its own replica before the collective. The verdict
+# reads every rank's header and slots from the gathered buffer (the same bytes on every rank), so
+# every rank reaches the same decision: the step stands, and the scatters apply the other ranks'
+# rows; or it is refused (headers differ, a slot outside its cache, two ranks wrote one row or
+# overlapping bytes of one buffer), and NO rank applies any other rank's row, every rank writes
+# back the rows its own ops overwrote from the snapshot taken before the step's first write
+# (``pcppass::sync_snapshot``), and raises the same error. Every replica is then as it was before
+# the step:
+#
+#     snapshot = pcppass.sync_snapshot([caches], [slots], layouts)          # before the first write
+#     ... the step's writes and reads ...
+#     packed, gathered, index = ...                                          # the collective
+#     verdict  = pcppass.sync_verdict([caches], gathered, index, ..., [snapshot], [slots], ...)
+#     pcppass.sync_scatter_rows_all([caches], gathered, index, ..., verdict)
+
+
+def _cache_rows_offsets(slots: list[torch.Tensor], layouts: list[ResolvedLayout]) -> tuple[list[int], list[int]]:
+    """Byte offsets of each entry's rows and of its int64 slots in a snapshot buffer."""
+    rows_at, at = [], 0
+    for s, lay in zip(slots, layouts):
+        rows_at.append(at)
+        at += s.numel() * lay.bytes_per_row
+    slots_at = []
+    for s in slots:
+        slots_at.append(at)
+        at += 8 * s.numel()
+    return rows_at, slots_at
+
+
+def _valid(slots: torch.Tensor, cache: torch.Tensor, layout: ResolvedLayout) -> torch.Tensor:
+    return (slots >= 0) & (slots < num_slots(cache, layout))
+
+
+#: the snapshots taken so far by the step running inside :func:`restoring_on_failure`, until its
+#: verdict takes them over: (caches, slots, encoded layouts, snapshot)
+_PENDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("pcppass_pending_snapshots", default=None)
+
+
+@contextlib.contextmanager
+def restoring_on_failure() -> Iterator[None]:
+    """Run a step so that if it raises before its verdict (a peer that refused its own inputs
+    aborted the collective, an op refused its arguments after earlier sites wrote), this rank
+    writes back every snapshot the step took: its replica is then as before the step, as every
+    other rank's is (each writes back its own rows). After the verdict, the verdict decides."""
+    pending: list = []
+    token = _PENDING.set(pending)
+    try:
+        yield
+    except BaseException:
+        for caches, slots, layouts, snapshot in reversed(pending):
+            restore_snapshots(caches, [snapshot], list(range(len(caches))), layouts, [len(caches)], slots)
+        raise
+    finally:
+        _PENDING.reset(token)
+
+
+def remember_snapshot(caches: list[torch.Tensor], cache_slots: list[torch.Tensor], layouts: list[int],
+                      snapshot: torch.Tensor) -> torch.Tensor:
+    """Record a snapshot for :func:`restoring_on_failure` (when a step runs inside it)."""
+    pending = _PENDING.get()
+    if pending is not None:
+        pending.append((list(caches), list(cache_slots), list(layouts), snapshot))
+    return snapshot
+
+
+def verdict_taken() -> None:
+    """The step reached its verdict: the snapshots are the verdict's now (it restores them when
+    it refuses the step)."""
+    pending = _PENDING.get()
+    if pending is not None:
+        pending.clear()
+
+
+@torch.library.custom_op("pcppass::sync_snapshot", mutates_args=())
+def sync_snapshot(caches: list[torch.Tensor], cache_slots: list[torch.Tensor], layouts: list[int]) -> torch.Tensor:
+    """The rows every cache holds at this rank's slots, taken before the step writes them: every
+    entry's rows (``[n, bytes_per_row]``, zeros at slot -1), then every entry's slots as int64.
+    ``pcppass::sync_verdict`` writes them back when the step is refused (and
+    :func:`restoring_on_failure` when the step fails before its verdict)."""
+    return remember_snapshot(caches, cache_slots, layouts, _snapshot(caches, cache_slots, layouts))
+
+
+def _snapshot(caches: list[torch.Tensor], cache_slots: list[torch.Tensor], layouts: list[int]) -> torch.Tensor:
+    decoded = decode_pack_layouts(caches, cache_slots, layouts)
+    parts = []
+    for cache, slots, lay in zip(caches, cache_slots, decoded):
+        slots = slots.reshape(-1).to(torch.int64)
+        rows = torch.zeros(slots.numel(), lay.bytes_per_row, dtype=torch.uint8, device=cache.device)
+        valid = _valid(slots, cache, lay)
+        if bool(valid.any()):
+            rows[valid] = read_rows(cache, slots[valid], lay)
+        parts.append(rows.reshape(-1))
+    parts += [s.reshape(-1).to(torch.int64).view(torch.uint8) for s in cache_slots]
+    anchor = caches[0]
+    return torch.cat(parts) if parts else anchor.new_empty((0,), dtype=torch.uint8)
+
+
+@sync_snapshot.register_fake
+def _sync_snapshot_fake(caches, cache_slots, layouts):
+    total = 0
+    for s, lay in zip(cache_slots, decode_layouts(layouts)):
+        total = total + s.numel() * (lay.bytes_per_row + 8)
+    return caches[0].new_empty((total,), dtype=torch.uint8)
+
+
+def restore_snapshots(caches: list[torch.Tensor], snapshots: list[torch.Tensor], snapshot_caches: list[int],
+                      snapshot_layouts: list[int], snapshot_counts: list[int],
+                      snapshot_slots: list[torch.Tensor]) -> None:
+    """Write every snapshot's rows back at its slots, latest snapshot first (a row two snapshots
+    hold gets the earlier one's bytes: the bytes from before the step)."""
+    decoded = decode_layouts(snapshot_layouts)
+    entries, start = [], 0
+    for snapshot, count in zip(snapshots, snapshot_counts):
+        part = range(start, start + count)
+        rows_at, slots_at = _cache_rows_offsets([snapshot_slots[e] for e in part], [decoded[e] for e in part])
+        entries.append([(e, snapshot, rows_at[k], slots_at[k]) for k, e in enumerate(part)])
+        start += count
+    for group in reversed(entries):
+        for e, snapshot, rows_at, slots_at in reversed(group):
+            cache, lay, n = caches[snapshot_caches[e]], decoded[e], snapshot_slots[e].numel()
+            slots = snapshot[slots_at:slots_at + 8 * n].clone().view(torch.int64)
+            rows = snapshot[rows_at:rows_at + n * lay.bytes_per_row].view(n, lay.bytes_per_row)
+            valid = _valid(slots, cache, lay)
+            if bool(valid.any()):
+                write_rows(cache, slots[valid], rows[valid], lay)
+
+
+def sync_problems(caches: list[torch.Tensor], gathered: torch.Tensor, index: torch.Tensor, world_size: int,
+                  fingerprint: str, num_segments: int, verify_header: bool, entry_caches: list[int],
+                  slots_segments: list[int], layouts: list[int], sites: str, check_conflicts: bool) -> list[str]:
+    """What refuses a step, read from the gathered buffer alike on every rank: headers that differ
+    (``verify_header``), slots outside their cache and bytes two ranks wrote (``check_conflicts``;
+    :mod:`pcppass.kernels.owners`)."""
+    from pcppass.kernels.owners import Written, find_problems
+
+    if verify_header:
+        _, problem = _read_headers(gathered, world_size, fingerprint, num_segments)
+        if problem is not None:
+            return [problem]
+    if not check_conflicts:
+        return []
+    decoded = decode_layouts(layouts)
+    labels = site_labels(sites, len(entry_caches))
+    written = [Written(caches[c], lay, label, every_rank_slots(gathered, index, seg))
+               for c, seg, lay, label in zip(entry_caches, slots_segments, decoded, labels)]
+    return find_problems(written)
+
+
+_RESTORED = (". The step was refused on every rank: no rank applied another rank's rows, and every rank "
+             "wrote back the rows its own ops had written, so every replica holds what it held before "
+             "the step")
+_NOT_APPLIED = (". The step was refused on every rank: no rank applied another rank's rows (each rank "
+                "keeps the rows its own ops wrote in this site)")
+
+
+@torch.library.custom_op("pcppass::sync_verdict", mutates_args=("caches",))
+def sync_verdict(
+    caches: list[torch.Tensor],
+    gathered: torch.Tensor,
+    index: torch.Tensor,
+    world_size: int,
+    fingerprint: str,
+    num_segments: int,
+    verify_header: bool,
+    entry_caches: list[int],
+    slots_segments: list[int],
+    layouts: list[int],
+    sites: str,
+    check_conflicts: bool,
+    snapshots: list[torch.Tensor],
+    snapshot_slots: list[torch.Tensor],
+    snapshot_caches: list[int],
+    snapshot_layouts: list[int],
+    snapshot_counts: list[int],
+    group_name: str,
+) -> torch.Tensor:
+    """Decide, alike on every rank, whether this collective's step stands (see above). Entry ``i``
+    of ``entry_caches`` / ``slots_segments`` / ``layouts`` / ``sites`` (one per line) is a cache
+    written in the step (``caches[entry_caches[i]]``) and the slot segment of its rows. Snapshot
+    ``k`` holds ``snapshot_counts[k]`` entries (caches, layouts and slots in the ``snapshot_*``
+    lists, in order). Refused: the snapshots are written back and the same
+    :class:`~pcppass.errors.PcpSyncError` is raised on every rank. Else an int32 ``[1]`` zero, which
+    the scatters and unpacks of the collective take (a device implementation records a refusal in
+    it instead of raising: they then apply nothing)."""
+    verdict_taken()
+    problems = sync_problems(caches, gathered, index, world_size, fingerprint, num_segments, verify_header,
+                             entry_caches, slots_segments, layouts, sites, check_conflicts)
+    if problems:
+        restore_snapshots(caches, snapshots, snapshot_caches, snapshot_layouts, snapshot_counts, snapshot_slots)
+        _raise_sync_problems(problems, _RESTORED if snapshots else _NOT_APPLIED)
+    return torch.zeros(1, dtype=torch.int32, device=gathered.device)
+
+
+@sync_verdict.register_fake
+def _sync_verdict_fake(caches, gathered, index, world_size, fingerprint, num_segments, verify_header,
+                       entry_caches, slots_segments, layouts, sites, check_conflicts, snapshots, snapshot_slots,
+                       snapshot_caches, snapshot_layouts, snapshot_counts, group_name):
+    return gathered.new_empty((1,), dtype=torch.int32)
+
+
+def refused(verdict: torch.Tensor | None) -> bool:
+    """Whether a verdict (host ops) refused the step."""
+    return verdict is not None and bool(verdict.any())
+
+
+# ---------------------------------------------------------------------------------------------
+# Scatter
+# ---------------------------------------------------------------------------------------------
+
+
 def scatter_rows_reference(
     cache: torch.Tensor,
     gathered: torch.Tensor,
@@ -299,41 +524,39 @@ def scatter_rows_reference(
     slots_segment: int,
     layout: list[int],
     group_name: str,
-    site: str,
-    check_conflicts: bool,
-) -> str | None:
+) -> None:
     """Write every other rank's rows (from ``gathered``) into this rank's replica of ``cache``.
-
-    Slot -1 rows are skipped and this rank's own rows are left as its local op wrote them. With
-    ``check_conflicts``, slots outside the cache are skipped and a slot written by two ranks in
-    one step gets the lowest such rank's row on EVERY replica (its other writers included), so
-    the replicas stay identical; the problem is returned (None if there is none) for the caller
-    to raise once every cache of the op is written.
-    """
+    Slot -1 rows are skipped and this rank's own rows are left as its local op wrote them; the
+    slots were checked (``sync_problems``) before."""
     (lay,) = decode_layouts(layout)
-    world = index.shape[0]
     me = _group_rank(group_name)
     all_slots = every_rank_slots(gathered, index, slots_segment)
-    problem = None
-    if check_conflicts:
-        applied, problem = _one_writer_per_slot(all_slots, num_slots(cache, lay), site)
-    else:
-        applied = [slots >= 0 for slots in all_slots]
-    for r in range(world):
-        if r == me or not bool(applied[r].any()):
+    for r, slots in enumerate(all_slots):
+        valid = slots >= 0
+        if r == me or not bool(valid.any()):
             continue
-        slots = all_slots[r]
         rows = _segment(gathered, index, r, rows_segment).view(slots.numel(), lay.bytes_per_row)
-        write_rows(cache, slots[applied[r]], rows[applied[r]], lay)
-    return problem
+        write_rows(cache, slots[valid], rows[valid], lay)
 
 
-def _raise_sync_problems(problems: list[str | None]) -> None:
-    found = [p for p in problems if p is not None]
-    if found:
-        from pcppass.errors import PcpSyncError
-
-        raise PcpSyncError("; ".join(found))
+def _checked_scatter(caches: list[torch.Tensor], gathered: torch.Tensor, index: torch.Tensor,
+                     rows_segments: list[int], slots_segments: list[int], layouts: list[int], group_name: str,
+                     sites: str, check_conflicts: bool, verdict: torch.Tensor | None) -> None:
+    """Every cache's scatter, after the checks: the verdict's when one is given (a refusal
+    applies nothing), else this op's own (a problem raises before anything is applied)."""
+    decoded = decode_layouts(layouts)
+    labels = site_labels(sites, len(caches))
+    if not (len(caches) == len(rows_segments) == len(slots_segments) == len(decoded)):
+        raise ValueError("sync_scatter_rows_all: caches, segments and layouts differ in length")
+    if refused(verdict):
+        return
+    if verdict is None and check_conflicts:
+        world = index.shape[0]
+        problems = sync_problems(caches, gathered, index, world, "", 0, False, list(range(len(caches))),
+                                 slots_segments, layouts, "\n".join(labels), True)
+        _raise_sync_problems(problems, _NOT_APPLIED)
+    for cache, rows_segment, slots_segment, lay in zip(caches, rows_segments, slots_segments, decoded):
+        scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment, encode_layout(lay), group_name)
 
 
 @torch.library.custom_op("pcppass::sync_scatter_rows", mutates_args=("cache",))
@@ -347,15 +570,16 @@ def sync_scatter_rows(
     group_name: str,
     site: str,
     check_conflicts: bool,
+    verdict: torch.Tensor | None = None,
 ) -> None:
-    """One cache's scatter (:func:`scatter_rows_reference`)."""
-    _raise_sync_problems([scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment,
-                                                 layout, group_name, site, check_conflicts)])
+    """One cache's scatter (:func:`sync_scatter_rows_all` of one cache)."""
+    _checked_scatter([cache], gathered, index, [rows_segment], [slots_segment], layout, group_name, site,
+                     check_conflicts, verdict)
 
 
 @sync_scatter_rows.register_fake
 def _sync_scatter_rows_fake(cache, gathered, index, rows_segment, slots_segment, layout,
-                            group_name, site, check_conflicts):
+                            group_name, site, check_conflicts, verdict=None):
     return None
 
 
@@ -370,87 +594,19 @@ def sync_scatter_rows_all(
     group_name: str,
     sites: str,
     check_conflicts: bool,
+    verdict: torch.Tensor | None = None,
 ) -> None:
-    """:func:`sync_scatter_rows` for many caches in one op: cache ``i`` receives the rows of
-    segment ``rows_segments[i]`` at the slots of segment ``slots_segments[i]`` through the i-th
-    layout of ``layouts`` (concatenated :func:`encode_layout` results); ``sites`` holds the i-th
-    cache's site label on line ``i`` (for errors). One op per collective lets a device
+    """Every other rank's rows into this replica, for many caches in one op: cache ``i`` receives
+    the rows of segment ``rows_segments[i]`` at the slots of segment ``slots_segments[i]`` through
+    the i-th layout of ``layouts`` (concatenated :func:`encode_layout` results); ``sites`` holds
+    the i-th cache's site label on line ``i`` (for errors). One op per collective lets a device
     implementation move every cache's rows in one launch; the caches are distinct tensors.
-    """
-    problems = _scatter_every_cache(caches, gathered, index, rows_segments, slots_segments, layouts,
-                                    group_name, sites, check_conflicts)
-    _raise_sync_problems(problems)  # after every cache is written: the replicas stay identical
 
-
-def _scatter_every_cache(caches: list[torch.Tensor], gathered: torch.Tensor, index: torch.Tensor,
-                         rows_segments: list[int], slots_segments: list[int], layouts: list[int],
-                         group_name: str, sites: str, check_conflicts: bool) -> list[str | None]:
-    """:func:`scatter_rows_reference` for every cache of one scatter op; each one's problem."""
-    decoded = decode_layouts(layouts)
-    labels = site_labels(sites, len(caches))
-    if not (len(caches) == len(rows_segments) == len(slots_segments) == len(decoded)):
-        raise ValueError("sync_scatter_rows_all: caches, segments and layouts differ in length")
-    return [
-        scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment, encode_layout(lay),
-                               group_name, site, check_conflicts)
-        for cache, rows_segment, slots_segment, lay, site in zip(caches, rows_segments, slots_segments,
-                                                                 decoded, labels)
-    ]
-
-
-@torch.library.custom_op("pcppass::sync_scatter_rows_all_quiet", mutates_args=("caches",))
-def sync_scatter_rows_all_quiet(
-    caches: list[torch.Tensor],
-    gathered: torch.Tensor,
-    index: torch.Tensor,
-    rows_segments: list[int],
-    slots_segments: list[int],
-    layouts: list[int],
-    group_name: str,
-    sites: str,
-) -> None:
-    """:func:`sync_scatter_rows_all` with the slot checks' choice of rows (out-of-range slots
-    skipped, the lowest writing rank's row for a slot two ranks wrote) but no raise: one batch of
-    a collective that a re-run site splits into several, whose problems
-    ``pcppass::sync_raise_slot_problems`` raises once every batch and re-run has run (raising
-    here would leave the later batches' rows on their owners only)."""
-    _scatter_every_cache(caches, gathered, index, rows_segments, slots_segments, layouts, group_name, sites,
-                         check_conflicts=True)
-
-
-@sync_scatter_rows_all_quiet.register_fake
-def _sync_scatter_rows_all_quiet_fake(caches, gathered, index, rows_segments, slots_segments, layouts,
-                                      group_name, sites):
-    return None
-
-
-@torch.library.custom_op("pcppass::sync_raise_slot_problems", mutates_args=())
-def sync_raise_slot_problems(
-    caches: list[torch.Tensor],
-    gathered: torch.Tensor,
-    index: torch.Tensor,
-    slots_segments: list[int],
-    layouts: list[int],
-    sites: str,
-) -> None:
-    """Raise what the slot checks find in every rank's slots of ``caches`` (the same
-    :class:`~pcppass.errors.PcpSyncError` on every rank, which all read the same gathered slots).
-    ``caches`` are read only to order this after the scatters that wrote them."""
-    decoded = decode_layouts(layouts)
-    problems = []
-    for cache, slots_segment, lay, site in zip(caches, slots_segments, decoded, site_labels(sites, len(caches))):
-        all_slots = every_rank_slots(gathered, index, slots_segment)
-        problems.append(_one_writer_per_slot(all_slots, num_slots(cache, lay), site)[1])
-    _raise_sync_problems(problems)
-
-
-@sync_raise_slot_problems.register_fake
-def _sync_raise_slot_problems_fake(caches, gathered, index, slots_segments, layouts, sites):
-    return None
-
-
-# It only raises: keep it through dead-code elimination (no mutated argument, no result).
-torch.fx.node.has_side_effect(torch.ops.pcppass.sync_raise_slot_problems.default)
+    ``verdict`` (``pcppass::sync_verdict``'s, which checked every rank's slots): a refused step
+    applies nothing. Without one, with ``check_conflicts``, this op checks its own caches' slots
+    and raises on a problem before it applies anything."""
+    _checked_scatter(caches, gathered, index, rows_segments, slots_segments, layouts, group_name, sites,
+                     check_conflicts, verdict)
 
 
 def site_labels(sites: str, count: int) -> list[str]:
@@ -463,13 +619,14 @@ def site_labels(sites: str, count: int) -> list[str]:
 
 @sync_scatter_rows_all.register_fake
 def _sync_scatter_rows_all_fake(caches, gathered, index, rows_segments, slots_segments, layouts,
-                                group_name, sites, check_conflicts):
+                                group_name, sites, check_conflicts, verdict=None):
     return None
 
 
 def _one_writer_per_slot(all_slots: list[torch.Tensor], limit: int,
                          site: str) -> tuple[list[torch.Tensor], str | None]:
-    """Per rank, which of its rows every other replica applies, and what was wrong (or None).
+    """Per rank, which of its rows every other replica applies, and what was wrong (or None):
+    the context-addressed caches' rule (:func:`sync_scatter_context`), which no snapshot covers.
 
     A row is applied if its slot is in ``[0, limit)`` and no lower rank wrote the same slot in
     this step: every replica makes the same choice from the same gathered slots.
@@ -511,22 +668,26 @@ def sync_unpack(
     like: torch.Tensor,
     group_name: str,
     mask_own_rows: bool,
+    verdict: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every rank's copy of a payload, concatenated along dim 0: ``[world * n, *like.shape[1:]]``.
 
     With ``mask_own_rows`` (slot mappings of a re-run) this rank's own rows become -1, so the
-    re-run skips the rows the local op already wrote.
+    re-run skips the rows the local op already wrote; every rank's, when ``verdict`` refused the
+    step (the re-run then writes nothing).
     """
     world = index.shape[0]
     parts = [_segment(gathered, index, r, segment).clone().view(like.dtype).view(like.shape)
              for r in range(world)]
     if mask_own_rows:
-        parts[_group_rank(group_name)] = torch.full_like(parts[0], -1)
+        masked = range(world) if refused(verdict) else [_group_rank(group_name)]
+        for r in masked:
+            parts[r] = torch.full_like(parts[0], -1)
     return torch.cat(parts, dim=0)
 
 
 @sync_unpack.register_fake
-def _sync_unpack_fake(gathered, index, segment, like, group_name, mask_own_rows):
+def _sync_unpack_fake(gathered, index, segment, like, group_name, mask_own_rows, verdict=None):
     return like.new_empty((index.shape[0] * like.shape[0], *like.shape[1:]))
 
 
@@ -701,14 +862,37 @@ def sync_scatter_context(
         context_cache(context_tensors(r, h), role, lay, _context_where(r, h))
         for r, h, role, lay in zip(lines[0], lines[1], lines[2], decoded)
     ]
+    problems = []
     for cache, rows_segment, slots_segment, lay, site in zip(caches, rows_segments, slots_segments,
                                                              decoded, lines[3]):
         if cache is None:
             _require_no_rows(gathered, index, slots_segment, site)
             continue
-        scatter_rows_reference(cache, gathered, index, rows_segment, slots_segment,
-                               encode_layout(lay), group_name, site, check_conflicts)
+        problems.append(_scatter_lowest_rank_rows(cache, gathered, index, rows_segment, slots_segment, lay,
+                                                  group_name, site, check_conflicts))
+    _raise_sync_problems(problems)  # after every cache is written: the replicas stay identical
     return gathered.new_empty((0,))
+
+
+def _scatter_lowest_rank_rows(cache: torch.Tensor, gathered: torch.Tensor, index: torch.Tensor, rows_segment: int,
+                              slots_segment: int, lay: ResolvedLayout, group_name: str, site: str,
+                              check_conflicts: bool) -> str | None:
+    """Every other rank's rows into this replica of a context-addressed cache; with
+    ``check_conflicts`` a slot two ranks wrote gets the lowest such rank's row on every replica
+    and slots outside the cache are skipped (the problem is returned)."""
+    me = _group_rank(group_name)
+    all_slots = every_rank_slots(gathered, index, slots_segment)
+    problem = None
+    if check_conflicts:
+        applied, problem = _one_writer_per_slot(all_slots, num_slots(cache, lay), site)
+    else:
+        applied = [slots >= 0 for slots in all_slots]
+    for r, slots in enumerate(all_slots):
+        if r == me or not bool(applied[r].any()):
+            continue
+        rows = _segment(gathered, index, r, rows_segment).view(slots.numel(), lay.bytes_per_row)
+        write_rows(cache, slots[applied[r]], rows[applied[r]], lay)
+    return problem
 
 
 def _require_no_rows(gathered: torch.Tensor, index: torch.Tensor, slots_segment: int, site: str) -> None:

@@ -153,6 +153,21 @@ class CacheRows:
 
 
 @dataclass(frozen=True)
+class WrittenRows:
+    """A graph cache a site writes, and where the gathered buffer holds every rank's slots of
+    those rows (a ``COPY_ROWS`` segment's slots, or a re-run's slot payload): what the verdict
+    checks and the snapshot covers."""
+
+    site: SyncSite
+    state: str
+    cache: torch.fx.Node
+    #: the slot mapping the site's op takes (its own dtype), for the snapshot before the write
+    local_slots: torch.fx.Node
+    slots_segment: int
+    layout: ResolvedLayout
+
+
+@dataclass(frozen=True)
 class RerunInputs:
     """A re-run site's per-row inputs: schema argument name -> payload segment number; for a
     context-addressed site, also the payload carrying its rows' state lines (read at run time)."""
@@ -177,6 +192,10 @@ class Segments:
     #: graph cache's scatter after its reads. Immediate schedule: nothing (the readers wait on the
     #: scatter instead).
     context_after: tuple[torch.fx.Node, ...] = ()
+    #: every graph cache the sites write, with its slot segment (the verdict's entries)
+    written: tuple[WrittenRows, ...] = ()
+    #: the deferred schedule: a refused step writes back what the sites wrote (snapshots)
+    restore: bool = False
 
     @property
     def graph_rows(self) -> tuple[CacheRows, ...]:
@@ -231,6 +250,19 @@ class _SegmentCollector:
                 self._snapshots[key] = self.emit.call(torch.clone, node)
         return self._snapshots[key]
 
+    def slots_as_sent(self, site: SyncSite, node: torch.fx.Node) -> torch.fx.Node:
+        """A slot mapping as the site consumed it, as int64: the sync ops, kernels and checks read
+        slots as int64 words. Any other integer dtype (int32 slot mappings are common) is
+        converted right after the site, which also stands for the deferred schedule's copy; the
+        values are the same, the owner's op still takes its own tensor."""
+        if slot_dtype(node) in (torch.int64, None):
+            return self.as_sent(site, node)
+        key = (site.node, node, "int64")
+        if key not in self._snapshots:
+            with self.emit.graph.inserting_after(site.node):
+                self._snapshots[key] = self.emit.call(_TO_COPY, node, kwargs={"dtype": torch.int64})
+        return self._snapshots[key]
+
     def payload(self, node: torch.fx.Node, dim: int = 0) -> int:
         """Index among the payloads of ``node`` sent rows first (each tensor and dim sent once)."""
         key = (node, dim)
@@ -257,12 +289,11 @@ def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot:
                     rows, slots = read_context_rows(emit, site, cache)
                     contexts.append((site, cache, slots, collector.payload(rows), collector.payload(slots)))
                     continue
-                slots = collector.as_sent(site, cache.slots)
+                slots = collector.slots_as_sent(site, cache.slots)
                 copies.append((site, cache, slots, collector.payload(slots)))
         else:
             inputs = {
-                name: collector.payload(collector.as_sent(site, site.arguments[name],
-                                                          mutated_by_op=name in site.mutated_row_args), dim)
+                name: collector.payload(_rerun_input(collector, site, name), dim)
                 for name, dim in site.row_args.items()
             }
             lines = collector.payload(read_context_lines(emit, site)) if site.context is not None else None
@@ -277,14 +308,52 @@ def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot:
                   rows_segment=first_payload + rows_payload, slots_segment=first_payload + slots_payload)
         for site, cache, slots, rows_payload, slots_payload in contexts
     )
+    rerun_inputs = tuple(RerunInputs(site, {name: first_payload + p for name, p in payloads.items()},
+                                     None if lines is None else first_payload + lines)
+                         for site, payloads, lines in reruns)
     return Segments(
-        sites=tuple(sites), rows=rows, payloads=tuple(collector.payloads),
-        reruns=tuple(RerunInputs(site, {name: first_payload + p for name, p in payloads.items()},
-                                 None if lines is None else first_payload + lines)
-                     for site, payloads, lines in reruns),
+        sites=tuple(sites), rows=rows, payloads=tuple(collector.payloads), reruns=rerun_inputs,
         context_after=_step_outputs(emit.graph) if snapshot and (
             contexts or any(lines is not None for _, _, lines in reruns)) else (),
+        written=_written_rows(rows, rerun_inputs), restore=snapshot,
     )
+
+
+def _rerun_input(collector: _SegmentCollector, site: SyncSite, name: str) -> torch.fx.Node:
+    """A re-run's per-row input as sent (slot mappings as int64; :func:`emit_rerun` gives the
+    op its own dtype back)."""
+    if name in site.slot_args and name not in site.mutated_row_args:
+        return collector.slots_as_sent(site, site.arguments[name])
+    return collector.as_sent(site, site.arguments[name], mutated_by_op=name in site.mutated_row_args)
+
+
+def _written_rows(rows: Sequence[CacheRows], reruns: Sequence[RerunInputs]) -> tuple[WrittenRows, ...]:
+    """Every graph cache the sites write with its slot segment, in graph order."""
+    written = []
+    for r in rows:
+        if isinstance(r.cache, torch.fx.Node):
+            cache = next(c for c in r.site.caches if c.cache is r.cache and c.state == r.state)
+            written.append(WrittenRows(r.site, r.state, r.cache, cache.slots, r.slots_segment, r.layout))
+    for rerun in reruns:
+        for c in rerun.site.caches:
+            role = next(role for role in rerun.site.pattern.caches if role.arg == c.arg)
+            if isinstance(c.cache, torch.fx.Node) and role.slots in rerun.segments:
+                written.append(WrittenRows(rerun.site, c.state, c.cache, c.slots, rerun.segments[role.slots],
+                                           c.layout))
+    return tuple(sorted(written, key=lambda w: w.site.index))
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def slot_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype of a slot mapping node (through the copies and conversions the rewrite makes)."""
+    if node.op == "call_function" and node.target is _TO_COPY:
+        return node.kwargs.get("dtype")
+    while node.op == "call_function" and node.target is torch.clone:
+        node = node.args[0]
+    value = node_value(node)
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _step_outputs(graph: torch.fx.Graph) -> tuple[torch.fx.Node, ...]:
@@ -415,28 +484,71 @@ def _labels(rows: Sequence[CacheRows]) -> str:
     return "\n".join(r.site.label.replace("\n", " ") for r in rows)
 
 
-class AllGatherTransport(Transport):
-    """pack -> ``all_gather_into_tensor`` + ``wait_tensor`` -> read header -> batched scatter::
+def emit_snapshots(emit: GraphEmitter, segments: Segments) -> list[tuple[torch.fx.Node, list[WrittenRows]]]:
+    """``pcppass.sync_snapshot`` of every graph cache the sites write, at this rank's slots, right
+    before the first site (one op); an entry whose cache view or slot mapping the graph computes
+    later gets its own snapshot right before its site (restored first: see
+    :func:`pcppass.kernels.rows.restore_snapshots`). Returns each snapshot node and its entries."""
+    if not segments.written:
+        return []
+    graph = emit.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((site.node for site in segments.sites), key=order.__getitem__)
+    groups: dict[torch.fx.Node, list[WrittenRows]] = {}
+    for w in segments.written:
+        ready = order[w.cache] < order[first] and order[w.local_slots] < order[first]
+        groups.setdefault(first if ready else w.site.node, []).append(w)
+    snapshots = []
+    for at in sorted(groups, key=order.__getitem__):
+        entries = groups[at]
+        with graph.inserting_before(at):
+            node = emit.call(_SYNC.sync_snapshot.default, [w.cache for w in entries],
+                             [w.local_slots for w in entries], [x for w in entries for x in encode_layout(w.layout)])
+        snapshots.append((node, entries))
+    return snapshots
 
+
+def emit_verdict(emit: GraphEmitter, group: SyncGroup, segments: Segments, gathered: torch.fx.Node,
+                 index: torch.fx.Node, snapshots: Sequence[tuple[torch.fx.Node, list[WrittenRows]]]) -> torch.fx.Node:
+    """``pcppass.sync_verdict`` over every cache the collective's sites write (see
+    :class:`AllGatherTransport`)."""
+    written = segments.written
+    caches = list(dict.fromkeys(w.cache for w in written))
+    position = {c: i for i, c in enumerate(caches)}
+    restored = [w for _, entries in snapshots for w in entries]
+    return emit.call(
+        _SYNC.sync_verdict.default, caches, gathered, index, group.world_size, _FINGERPRINT_PENDING,
+        segments.count, group.verify_header, [position[w.cache] for w in written],
+        [w.slots_segment for w in written], [x for w in written for x in encode_layout(w.layout)],
+        "\n".join(w.site.label.replace("\n", " ") for w in written), group.check_conflicts,
+        [node for node, _ in snapshots], [w.local_slots for w in restored], [position[w.cache] for w in restored],
+        [x for w in restored for x in encode_layout(w.layout)], [len(entries) for _, entries in snapshots],
+        group.group_name, fingerprint_at=4)
+
+
+class AllGatherTransport(Transport):
+    """pack -> ``all_gather_into_tensor`` + ``wait_tensor`` -> read header -> verdict -> batched
+    scatter::
+
+        snapshot = pcppass.sync_snapshot(caches, slots, layouts)    # deferred: before the first write
+        ...
         packed   = pcppass.sync_pack(fp, caches, slots, layouts, payloads)
         gathered = wait_tensor(all_gather_into_tensor(packed, world, group))
-        index    = pcppass.sync_read_header(gathered, world, fp, n_segments, verify_header)
+        index    = pcppass.sync_read_header(gathered, world, fp, n_segments, False)
+        verdict  = pcppass.sync_verdict(caches, gathered, index, ..., [snapshot], ...)
         pcppass.sync_scatter_rows_all(caches, gathered, index, rows_segs, slots_segs, layouts,
-                                      group, labels, check_conflicts)        # apply_rows
+                                      group, labels, check_conflicts, verdict)    # apply_rows
         token = pcppass.sync_scatter_context(gathered, index, resolvers, handles, roles, rows_segs,
                                              slots_segs, layouts, group, labels, check_conflicts)
-        pcppass.sync_unpack(gathered, index, segment, local, group, mask)    # every_rank
+        pcppass.sync_unpack(gathered, index, segment, local, group, mask, verdict)  # every_rank
 
+    The verdict (:func:`pcppass.kernels.rows.sync_verdict`) reads every rank's header and slots
+    once for the whole collective, before its first scatter, however many batches a re-run splits
+    the scatters into: a refused step applies no batch and re-runs nothing on any rank, and under
+    the deferred schedule every rank writes back, from the snapshot, the rows its own ops wrote.
+    (With the header and slot checks off there is neither verdict nor snapshot.)
     Context-addressed caches are resolved by the scatter at run time; it returns an empty token
-    (:attr:`context_token`) that readers of those caches can wait on. A collective applied in
-    several batches on CPU tensors (split by a re-run) scatters each batch with
-    ``pcppass.sync_scatter_rows_all_quiet`` and raises the slot checks' findings once, after the
-    last batch and re-run (:meth:`expect_batches`, :meth:`finish`)::
-
-        pcppass.sync_scatter_rows_all_quiet(caches_before, gathered, index, ...)   # batch 1
-        op(...every rank's re-run inputs...)                                        # re-run
-        pcppass.sync_scatter_rows_all_quiet(caches_after, gathered, index, ...)    # batch 2
-        pcppass.sync_raise_slot_problems(caches_before + caches_after, gathered, index, ...)
+    (:attr:`context_token`) that readers of those caches can wait on.
     """
 
     def __init__(self, emit: GraphEmitter, group: SyncGroup) -> None:
@@ -444,9 +556,8 @@ class AllGatherTransport(Transport):
         self.segments: Segments | None = None
         self.gathered: torch.fx.Node | None = None
         self.index: torch.fx.Node | None = None
+        self.verdict: torch.fx.Node | None = None
         self._context_token: torch.fx.Node | None = None
-        #: rows applied by quiet scatters, whose slot problems :meth:`finish` raises
-        self._quiet_rows: list[CacheRows] | None = None
 
     @property
     def context_token(self) -> torch.fx.Node | None:
@@ -454,6 +565,8 @@ class AllGatherTransport(Transport):
 
     def exchange(self, segments: Segments) -> None:
         emit, group = self.emit, self.group
+        checked = group.verify_header or group.check_conflicts
+        snapshots = emit_snapshots(emit, segments) if checked and segments.restore else []
         graph_rows = segments.graph_rows
         layouts = [x for rows in graph_rows for x in encode_layout(rows.layout)]
         packed = emit.call(_SYNC.sync_pack.default, _FINGERPRINT_PENDING,
@@ -463,47 +576,22 @@ class AllGatherTransport(Transport):
                              group.group_name)
         self.gathered = emit.call(_c10d.wait_tensor.default, gathered)
         self.index = emit.call(_SYNC.sync_read_header.default, self.gathered, group.world_size,
-                               _FINGERPRINT_PENDING, segments.count, group.verify_header,
+                               _FINGERPRINT_PENDING, segments.count, group.verify_header and not checked,
                                fingerprint_at=2)
         self.segments = segments
-
-    def expect_batches(self, count: int) -> None:
-        """A collective split into several batches on the host ops (CPU) raises its slot
-        problems once, after the last batch: the first batch's raise would keep every later
-        batch's rows on their owners only. (The CUDA scatter never raises mid-collective: it
-        records the problem and the step raises before the next one.)"""
-        values = [node_value(r.cache) for r in self.segments.graph_rows] if self.segments else []
-        on_host = bool(values) and all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values)
-        if count > 1 and self.group.check_conflicts and on_host:
-            self._quiet_rows = []
-
-    def finish(self) -> None:
-        if not self._quiet_rows:
-            return
-        rows = self._quiet_rows
-        self.emit.call(_SYNC.sync_raise_slot_problems.default, [r.cache for r in rows], self.gathered,
-                       self.index, [r.slots_segment for r in rows],
-                       [x for r in rows for x in encode_layout(r.layout)], _labels(rows))
+        if checked:
+            self.verdict = emit_verdict(emit, group, segments, self.gathered, self.index, snapshots)
 
     def apply_rows(self, rows: Sequence[CacheRows]) -> None:
         graph_rows = [r for r in rows if not isinstance(r.cache, ContextRef)]
         context_rows = [r for r in rows if isinstance(r.cache, ContextRef)]
-        if graph_rows and self._quiet_rows is not None:
-            self._quiet_rows.extend(graph_rows)
-            self.emit.call(
-                _SYNC.sync_scatter_rows_all_quiet.default,
-                [r.cache for r in graph_rows], self.gathered, self.index,
-                [r.rows_segment for r in graph_rows], [r.slots_segment for r in graph_rows],
-                [x for r in graph_rows for x in encode_layout(r.layout)], self.group.group_name,
-                _labels(graph_rows),
-            )
-        elif graph_rows:
+        if graph_rows:
             self.emit.call(
                 _SYNC.sync_scatter_rows_all.default,
                 [r.cache for r in graph_rows], self.gathered, self.index,
                 [r.rows_segment for r in graph_rows], [r.slots_segment for r in graph_rows],
                 [x for r in graph_rows for x in encode_layout(r.layout)], self.group.group_name,
-                _labels(graph_rows), self.group.check_conflicts,
+                _labels(graph_rows), self.group.check_conflicts, self.verdict,
             )
         if context_rows:
             refs = [r.cache for r in context_rows]
@@ -519,7 +607,8 @@ class AllGatherTransport(Transport):
     def every_rank(self, segment: int, mask_own_rows: bool) -> torch.fx.Node:
         assert self.segments is not None, "exchange() first"
         return self.emit.call(_SYNC.sync_unpack.default, self.gathered, self.index, segment,
-                              self.segments.payload(segment), self.group.group_name, mask_own_rows)
+                              self.segments.payload(segment), self.group.group_name, mask_own_rows,
+                              self.verdict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,6 +630,9 @@ def emit_rerun(emit: GraphEmitter, transport: Transport, rerun: RerunInputs,
     kwargs = dict(site.arguments)
     for name, dim in site.row_args.items():
         every_rank = transport.every_rank(rerun.segments[name], name in site.slot_args)
+        own = slot_dtype(site.arguments[name]) if name in site.slot_args else None
+        if own is not None and own != torch.int64:  # sent as int64 (see slots_as_sent)
+            every_rank = emit.call(_TO_COPY, every_rank, kwargs={"dtype": own})
         kwargs[name] = every_rank if dim == 0 else emit.call(torch.movedim, every_rank, 0, dim)
     emit.call(site.node.target, kwargs=kwargs)
 

@@ -41,7 +41,7 @@ import pcppass.kernels.peer_store  # noqa: F401  (registers pcppass::sync_peer_s
 from pcppass.kernels import row_kernels
 from pcppass.kernels.rows import encode_layout
 from pcppass.rewrite.insert import (
-    AllGatherTransport, CacheRows, GraphEmitter, Segments, SyncGroup, Transport,
+    AllGatherTransport, CacheRows, GraphEmitter, Segments, SyncGroup, Transport, slot_dtype,
 )
 from pcppass.rewrite.plan import PlanError
 from pcppass.spec import Recipe
@@ -60,14 +60,6 @@ def _real_tensor(node: torch.fx.Node) -> torch.Tensor | None:
     except Exception:  # noqa: BLE001 - a collected weak reference or another kind of argument
         return None
     return value if isinstance(value, torch.Tensor) else None
-
-
-def _slot_dtype(node: torch.fx.Node) -> torch.dtype | None:
-    """The dtype of a slot mapping (through the snapshot a deferred sync takes of it)."""
-    while node.op == "call_function" and node.target is torch.clone:
-        node = node.args[0]
-    fake = node.meta.get("example_value", node.meta.get("val"))
-    return fake.dtype if isinstance(fake, torch.Tensor) else None
 
 
 def peer_store_refusal(segments: Segments, group: SyncGroup) -> str | None:
@@ -91,7 +83,7 @@ def peer_store_refusal(segments: Segments, group: SyncGroup) -> str | None:
             return why
         if row_kernels.addressing(real, rows.layout) is None:
             return f"{rows.site.label}: the cache's rows are not contiguous per segment"
-        if _slot_dtype(rows.slots) != torch.int64:
+        if slot_dtype(rows.slots) != torch.int64:
             return f"{rows.site.label}: the slot mapping is not an int64 tensor"
     if len(segments.payloads) > row_kernels.MAX_ARGS:
         return f"{len(segments.payloads)} payload tensors (one launch takes {row_kernels.MAX_ARGS})"

@@ -14,7 +14,12 @@ replicas. So every computed mapping is checked before ANY write of the step, and
     later_write(..., checked[1], ...)
 
 The writes take the verdict's copies (same values), so nothing reorders them before it. A graph
-whose slot mappings are all inputs gets none of this (no extra collective).
+whose slot mappings are all inputs gets none of this (no extra collective), except under the
+immediate schedule: there each site is synchronised right after it, so a row two ranks write at
+a later site would show only after earlier sites' rows were applied on every replica. So every
+slot mapping, inputs included, is gathered here (``send``) and the verdict refuses, before any
+write, a step in which two ranks would write one row or overlapping bytes of one buffer
+(:mod:`pcppass.kernels.owners`): one extra collective per immediate step.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import pcppass.runtime.validate  # noqa: F401  (registers the pcppass::slot_chec
 from pcppass.analysis.schema import resolve_overload, written_args
 from pcppass.analysis.views import node_value
 from pcppass.errors import PcpSyncError
+from pcppass.kernels.rows import encode_layout
 from pcppass.rewrite.plan import CacheSync, SyncPlan, SyncSite, storages_of, written_storages
 from pcppass.runtime.validate import num_slots_expr
 
@@ -47,8 +53,11 @@ def _mutates(node: torch.fx.Node) -> bool:
     return overload is not None and bool(written_args(overload._schema))
 
 
-def _hoist(node: torch.fx.Node, before: torch.fx.Node, written: set, order: dict) -> str | None:
-    """Move ``node`` and what it depends on after ``before`` ahead of it; None, or why not."""
+def _hoist(node: torch.fx.Node, before: torch.fx.Node, written: set, order: dict,
+           reads_state: bool = False) -> str | None:
+    """Move ``node`` and what it depends on after ``before`` ahead of it; None, or why not.
+    ``reads_state``: ``node`` is a view of a cache (it reads no values, so it may depend on state
+    the step writes)."""
     chain, stack = set(), [node]
     while stack:
         n = stack.pop()
@@ -56,7 +65,7 @@ def _hoist(node: torch.fx.Node, before: torch.fx.Node, written: set, order: dict
             continue
         if n.op not in ("call_function", "call_method") or _mutates(n):
             return f"it depends on {n.name}, which writes or is not a plain computation"
-        if storages_of(n.all_input_nodes) & written:
+        if not reads_state and storages_of(n.all_input_nodes) & written:
             return f"{n.name} reads state the step writes"
         chain.add(n)
         stack.extend(n.all_input_nodes)
@@ -92,11 +101,15 @@ def _row_count(site: SyncSite, cache: CacheSync, placeholders: list[torch.fx.Nod
 
 
 def insert_slot_checks(gm: torch.fx.GraphModule, plan: SyncPlan, *, group_name: str,
-                       world_size: int) -> int:
-    """Check every computed slot mapping of ``plan`` before the first write (see the module
-    docstring); returns how many mappings are checked (0: the graph is left as it is)."""
+                       world_size: int, ranges: bool = True, owners: bool = False) -> int:
+    """Check the slot mappings of ``plan`` before the first write (see the module docstring);
+    returns how many mappings are checked (0: the graph is left as it is). ``ranges``: computed
+    mappings' lengths and ranges. ``owners``: every mapping, inputs included, is gathered and a
+    row (or bytes of one buffer) two ranks would write refuses the step on every rank before any
+    write (the immediate schedule, whose per-site syncs would otherwise have applied earlier
+    sites' rows when a later site's conflict shows)."""
     entries = [(site, c) for site in plan.sites for c in site.caches
-               if isinstance(c.cache, torch.fx.Node) and c.slots.op != "placeholder"]
+               if isinstance(c.cache, torch.fx.Node) and (owners or (ranges and c.slots.op != "placeholder"))]
     if not entries:
         return 0
     graph = gm.graph
@@ -104,40 +117,46 @@ def insert_slot_checks(gm: torch.fx.GraphModule, plan: SyncPlan, *, group_name: 
     first = min((site.node for site in plan.sites), key=order.__getitem__)
     written = set().union(*(written_storages(site) for site in plan.sites))
     for site, c in entries:
-        if order[c.slots] > order[first]:
-            why = _hoist(c.slots, first, written, order)
-            if why is not None:
-                raise PcpSyncError(
-                    f"pcppass: {site.label}: its slot mapping {c.slots.name} is computed after the "
-                    f"step's first write and cannot be computed before it ({why}), so the ranks "
-                    "cannot check it together before anything is written. Compute it from the "
-                    "step's inputs (or pass it as an input)."
-                )
-            order = {n: i for i, n in enumerate(graph.nodes)}
+        for needed in (c.slots, c.cache) if owners else (c.slots,):
+            if order[needed] > order[first]:
+                why = _hoist(needed, first, written, order, reads_state=needed is c.cache)
+                if why is not None:
+                    raise PcpSyncError(
+                        f"pcppass: {site.label}: its {'slot mapping' if needed is c.slots else 'cache view'} "
+                        f"{needed.name} is computed after the step's first write and cannot be computed "
+                        f"before it ({why}), so the ranks cannot check it together before anything is "
+                        "written. Compute it from the step's inputs (or pass it as an input)."
+                    )
+                order = {n: i for i, n in enumerate(graph.nodes)}
     placeholders = list(graph.find_nodes(op="placeholder"))
-    limits = []
+    limits, rows = [], []
     for site, c in entries:
-        limit = _static_int(num_slots_expr(node_value(c.cache), c.layout))
+        checked = ranges and c.slots.op != "placeholder"  # inputs: checked before the graph runs
+        limit = _static_int(num_slots_expr(node_value(c.cache), c.layout)) if checked else -1
         if limit is None:
             raise PcpSyncError(f"pcppass: {site.label}: the cache's slot count is symbolic; computed "
                                "slot mappings are checked against a static cache size")
         limits.append(limit)
+        rows.append(_row_count(site, c, placeholders) if checked else -1)
     slots = [c.slots for _, c in entries]
     aten = [site.pattern.aten_family is not None for site, _ in entries]
     labels = "\n".join(f"{site.op} writing {c.state} ({site.source}): slot mapping {c.slots.name}"
                        for site, c in entries)
+    caches = [c.cache for _, c in entries] if owners else []
+    layouts = [x for _, c in entries for x in encode_layout(c.layout)] if owners else []
+    sites = "\n".join(f"{site.op} at {site.source} writing {c.state}" for site, c in entries) if owners else ""
     with graph.inserting_before(first):
         record = graph.call_function(torch.ops.pcppass.slot_check_record.default,
-                                     (slots, limits, [_row_count(s, c, placeholders) for s, c in entries], aten))
+                                     (slots, limits, rows, aten, owners))
         gathered = graph.call_function(_c10d.all_gather_into_tensor.default, (record, world_size, group_name))
         gathered = graph.call_function(_c10d.wait_tensor.default, (gathered,))
         verdict = graph.call_function(torch.ops.pcppass.slot_check_verdict.default,
-                                      (gathered, slots, labels, aten))
-        checked = {}
+                                      (gathered, slots, labels, aten, caches, layouts, sites))
+        checked_slots = {}
         for i, node in enumerate(slots):
-            if node not in checked:
-                checked[node] = graph.call_function(operator.getitem, (verdict, i))
+            if node not in checked_slots:
+                checked_slots[node] = graph.call_function(operator.getitem, (verdict, i))
     for site in plan.sites:
-        for node, copy in checked.items():
+        for node, copy in checked_slots.items():
             site.node.replace_input_with(node, copy)
     return len(entries)

@@ -42,6 +42,7 @@ from pcppass.rewrite.insert import (
     SCHEDULES, AllGatherTransport, Schedule, SyncRewrite, TransportFactory, insert_sync,
 )
 from pcppass.rewrite.plan import SyncPlan, plan_sync
+from pcppass.rewrite.rebinding import rebound_state
 from pcppass.rewrite.slot_checks import insert_slot_checks
 from pcppass.rewrite.stage import check_graph_stage, graph_breaks, is_dynamo_graph_module
 
@@ -60,7 +61,7 @@ _SOURCE_MODULES = (
     "pcppass.analysis.views", "pcppass.checks", "pcppass.kernels.rerun_context", "pcppass.kernels.rows",
     "pcppass.registry", "pcppass.rewrite.insert",
     "pcppass.rewrite.overlap", "pcppass.rewrite.peer_store",
-    "pcppass.rewrite.plan", "pcppass.rewrite.slot_checks", "pcppass.rewrite.stage",
+    "pcppass.rewrite.plan", "pcppass.rewrite.rebinding", "pcppass.rewrite.slot_checks", "pcppass.rewrite.stage",
     "pcppass.rewrite.sync_pass", "pcppass.runtime.validate", "pcppass.spec",
 )
 
@@ -218,20 +219,23 @@ class PcpSyncPass(CustomGraphPass):
             return SyncPassResult("single_rank", "one rank: nothing to synchronise", writes)
         uncovered = [w for w in writes if not w.covered]
         breaks = self._not_whole_step(gm)
-        if uncovered or breaks:
+        rebound = self._rebound_state()
+        if uncovered or breaks or rebound:
             if self.on_uncovered == "raise":
-                raise PcpCoverageError(uncovered, breaks)
-            reasons = [f"{w.op} -> {w.state} at {w.source}" for w in uncovered] + breaks
+                raise PcpCoverageError(uncovered, breaks, rebound)
+            reasons = [f"{w.op} -> {w.state} at {w.source}" for w in uncovered] + breaks + rebound
             if self.on_uncovered == "replicate":
-                reason = (f"{len(uncovered)} uncovered write(s), {len(breaks)} graph break(s): "
-                          + "; ".join(reasons))
+                reason = (f"{len(uncovered)} uncovered write(s), {len(breaks)} graph break(s), "
+                          f"{len(rebound)} rebound state(s): " + "; ".join(reasons))
                 log.warning("pcppass: decode stays replicated: %s", reason)
                 return SyncPassResult("replicated", reason, writes)
-            log.warning("pcppass: %d uncovered write(s) and %d graph break(s) left unsynchronised "
-                        "(unsafe_ignore)", len(uncovered), len(breaks))
+            log.warning("pcppass: %d uncovered write(s), %d graph break(s) and %d rebound state(s) left "
+                        "unsynchronised (unsafe_ignore)", len(uncovered), len(breaks), len(rebound))
         plan = plan_sync([w for w in writes if w.covered])
-        if self.checks.inputs:
-            insert_slot_checks(gm, plan, group_name=group.group_name, world_size=world)
+        owners = self.schedule == "immediate" and self.checks.slot_conflicts
+        if self.checks.inputs or owners:
+            insert_slot_checks(gm, plan, group_name=group.group_name, world_size=world,
+                               ranges=self.checks.inputs, owners=owners)
         rewrite = insert_sync(
             gm, plan, schedule=self.schedule, group_name=group.group_name, world_size=world,
             verify_header=self.checks.header, check_conflicts=self.checks.slot_conflicts,
@@ -240,6 +244,19 @@ class PcpSyncPass(CustomGraphPass):
         reason = (f"{rewrite.sites} write site(s), {rewrite.collectives} collective(s) per step "
                   f"({self.schedule})")
         return SyncPassResult("sharded", reason, writes, plan, rewrite, group)
+
+    def _rebound_state(self) -> list[str]:
+        """State the step rebinds (stores a tensor it computed into a module, dict, closure or
+        list after the graph: :mod:`pcppass.rewrite.rebinding`), or why that cannot be told."""
+        found = rebound_state()
+        if found is not None:
+            return found
+        if self.whole_step:
+            return []
+        return ["cannot tell whether the step rebinds state: reading Dynamo's side effects needs "
+                f"internals that this torch ({torch.__version__}) does not provide, or no Dynamo "
+                "compile is running. If the graph is the whole step and rebinds nothing, say so "
+                "with whole_step=True"]
 
     def _not_whole_step(self, gm: torch.fx.GraphModule) -> list[str]:
         """Why ``gm`` may not be the whole step (graph breaks around it), or [] if it is."""

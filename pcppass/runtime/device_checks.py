@@ -149,9 +149,19 @@ def synchronize_and_raise(device: torch.device | str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def is_slot_tensor(value: Any) -> bool:
+    """A tensor of integers of any width (what a slot mapping may be; bool is not one)."""
+    return (isinstance(value, torch.Tensor) and value.dtype != torch.bool
+            and not value.dtype.is_floating_point and not value.dtype.is_complex)
+
+
+#: the integer dtypes the input kernel reads, by code (row_kernels_triton.input_kernel)
+SLOT_DTYPE_CODES = {torch.int64: 0, torch.int32: 1, torch.int16: 2, torch.int8: 3, torch.uint8: 4}
+
+
 @dataclass(frozen=True)
 class SlotRange:
-    """One slot-mapping input: graph input ``input_index`` must be int64 with ``rows`` slots
+    """One slot-mapping input: graph input ``input_index`` must hold integers, ``rows`` of them
     (None: any number), each in ``[lowest, limit)``; ``limit`` and ``rows`` are evaluated per call
     from the arguments' shapes by ``evaluate``."""
 
@@ -189,9 +199,9 @@ class DeviceSlotChecks:
         checks = []
         for rng in self.ranges:
             slots = args[rng.input_index]
-            if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64:
+            if not is_slot_tensor(slots):
                 got = slots.dtype if isinstance(slots, torch.Tensor) else type(slots).__name__
-                raise PcpInputError(f"{rng.what} must be an int64 tensor, got {got}")
+                raise PcpInputError(f"{rng.what} must be an integer tensor (int64, int32, ...), got {got}")
             rows = self.evaluate(rng.rows, args) if rng.rows is not None else None
             if rows is not None and slots.numel() != rows:
                 raise PcpInputError(f"{rng.what} has {slots.numel()} slots for {rows} rows")
