@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from pcppass.analysis import Uncovered, audit
+from pcppass.checks import SyncChecks
 from pcppass.compiler import PcpBackend
+from pcppass.errors import PcpSyncError
 from pcppass.engine.launch import launch
 from pcppass.registry import HandleEffect, register_pattern, register_resolver
 from pcppass.spec import ContextCache, Recipe, Reviewed, WritePattern
@@ -141,12 +143,13 @@ def test_audit_decides_per_layer(monkeypatch):
     assert all("no resolver registered under that name says so" in w.detail for w in uncovered)
 
 
-def _rank_run(rank: int, world: int, inner: str, read_only_for_all: bool) -> list:
+def _rank_run(rank: int, world: int, inner: str, read_only_for_all: bool, *, digest: bool = True) -> list | str:
+    """Every layer's cache after each of two steps; with the old declaration and the state digest
+    on, the digest's error instead."""
     _register(read_only_for_all=read_only_for_all)
     torch._dynamo.reset()
-    on_uncovered = "raise"
     compiled = torch.compile(Model(), backend=PcpBackend(inner=inner, schedule="deferred",
-                                                          on_uncovered=on_uncovered), fullgraph=True)
+                                                          checks=SyncChecks(state_digest=digest)), fullgraph=True)
     caches = []
     for step in range(2):
         x, slots = _step_inputs(step, rank, world)
@@ -154,7 +157,10 @@ def _rank_run(rank: int, world: int, inner: str, read_only_for_all: bool) -> lis
             _fresh_context(slots)
         for name in STORES:
             CONTEXT[name]["slots"] = slots
-        compiled(x)
+        try:
+            compiled(x)
+        except PcpSyncError as exc:
+            return str(exc)
         caches.append({name: CONTEXT[name]["kv"].numpy().copy() for name in STORES})
     return caches
 
@@ -177,7 +183,8 @@ def _rank_immediate(rank: int, world: int) -> tuple[str, str] | None:
 
 def _rank_all(rank: int, world: int) -> list:
     return [_rank_run(rank, world, "eager", False), _rank_run(rank, world, "inductor", False),
-            _rank_run(rank, world, "eager", True), _rank_immediate(rank, world)]
+            _rank_run(rank, world, "eager", True, digest=False), _rank_immediate(rank, world),
+            _rank_run(rank, world, "eager", True)]
 
 
 def _merged(world: int) -> list[dict[str, torch.Tensor]]:
@@ -205,9 +212,14 @@ def test_rows_stored_inside_the_op_reach_every_replica():
                 for name in STORES:
                     assert torch.equal(torch.from_numpy(ranks[rank][run][step][name]), merged[step][name]), (
                         label, rank, step, name)
-    # read-only for every layer: l1's rows stay on their owners
+    # read-only for every layer: l1's rows stay on their owners ...
     control = [ranks[rank][2] for rank in range(world)]
     assert not (control[0][0]["l1"] == control[1][0]["l1"]).all(), "unsynced rows did not diverge"
+    # ... which the state digest (on by default) names in the first step, as the cache outside the graph
+    for rank in range(world):
+        caught = ranks[rank][4]
+        assert isinstance(caught, str) and "state diverged across ranks" in caught, caught
+        assert "CONTEXT['l1']['kv'] (outside the graph)" in caught, caught
     for rank in range(world):
         refused = ranks[rank][3]
         assert refused is not None and "reads before other ranks' rows can arrive" in refused[1], refused

@@ -336,8 +336,10 @@ def _written_rows(rows: Sequence[CacheRows], reruns: Sequence[RerunInputs]) -> t
             written.append(WrittenRows(r.site, r.state, r.cache, cache.slots, r.slots_segment, r.layout))
     for rerun in reruns:
         for c in rerun.site.caches:
+            if not isinstance(c.cache, torch.fx.Node):  # context-addressed: no graph cache to snapshot
+                continue
             role = next(role for role in rerun.site.pattern.caches if role.arg == c.arg)
-            if isinstance(c.cache, torch.fx.Node) and role.slots in rerun.segments:
+            if role.slots in rerun.segments:
                 written.append(WrittenRows(rerun.site, c.state, c.cache, c.slots, rerun.segments[role.slots],
                                            c.layout))
     return tuple(sorted(written, key=lambda w: w.site.index))
@@ -546,7 +548,8 @@ class AllGatherTransport(Transport):
     once for the whole collective, before its first scatter, however many batches a re-run splits
     the scatters into: a refused step applies no batch and re-runs nothing on any rank, and under
     the deferred schedule every rank writes back, from the snapshot, the rows its own ops wrote.
-    (With the header and slot checks off there is neither verdict nor snapshot.)
+    (With the header and slot checks off, or no graph cache written, there is neither verdict nor
+    snapshot.)
     Context-addressed caches are resolved by the scatter at run time; it returns an empty token
     (:attr:`context_token`) that readers of those caches can wait on.
     """
@@ -565,7 +568,10 @@ class AllGatherTransport(Transport):
 
     def exchange(self, segments: Segments) -> None:
         emit, group = self.emit, self.group
-        checked = group.verify_header or group.check_conflicts
+        # no graph cache written (every site context-addressed): the header is checked as it is
+        # read, and the context scatter and re-run check their own rows (a verdict over no caches
+        # would also be a mutating op with nothing to mutate, which Inductor cannot lower)
+        checked = (group.verify_header or group.check_conflicts) and bool(segments.written)
         snapshots = emit_snapshots(emit, segments) if checked and segments.restore else []
         graph_rows = segments.graph_rows
         layouts = [x for rows in graph_rows for x in encode_layout(rows.layout)]
