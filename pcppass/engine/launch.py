@@ -33,6 +33,17 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+#: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name now warns,
+#: FutureWarning, at every call); torch 2.11 has only the old name.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank's ``tensor`` (the same shape on all) into ``output``, rank by rank along dim 0:
+    ``torch.distributed.all_gather_single`` where torch has it, ``all_gather_into_tensor`` before."""
+    _ALL_GATHER_SINGLE(output, tensor, group=group)
+
+
 def _init(rank: int, world: int, backend: str, timeout_s: float) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from pcppass.engine.contract import CacheGroupSpec, CacheSpec, StepKind
 from pcppass.engine.graphs import CudaGraphRunner, decode_graph_sizes
+from pcppass.engine.launch import all_gather_single
 from pcppass.engine.layout import (
     LayoutPlan,
     LocalStep,
@@ -339,7 +340,7 @@ class Engine:
         if self.world > 1:
             gathered = hidden.new_empty((self.world * hidden.shape[0], *hidden.shape[1:]))
             try:
-                dist.all_gather_into_tensor(gathered, hidden.contiguous(), group=self.group)
+                all_gather_single(gathered, hidden.contiguous(), group=self.group)
             except Exception as exc:  # typically: a peer failed its step and aborted the group
                 raise_fail_stop(exc, self.group, self.rank, "the engine's all-gather of hidden rows")
         else:
