@@ -23,19 +23,17 @@ Writes ``<out>/decode_rows_<tag>.json`` (device, versions, date, configuration, 
 from __future__ import annotations
 
 import argparse
-import sys
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from attention_tiles import rel_err, time_calls, v32_inputs  # noqa: E402  (the sweep's timing, one source)
-
-from pcppass.bench.environment import environment  # noqa: E402
-from pcppass.bench.kernels import V32, gqa_inputs, mla_inputs  # noqa: E402
-from pcppass.bench.results import pyplot, write  # noqa: E402
-from pcppass.kernels.attention.launch import (  # noqa: E402
+from pcppass.bench.environment import environment
+from pcppass.bench.kernels import V32, V32Inputs, gqa_inputs, input_sets, mla_inputs, v32_input_set
+from pcppass.bench.results import pyplot, write
+from pcppass.bench.timing import time_graph
+from pcppass.kernels.attention.launch import (
     SPARSE_MLA_TILES,
     SPARSE_MLA_TRITON_TILES,
     SPARSE_SPLITS,
@@ -45,9 +43,41 @@ from pcppass.kernels.attention.launch import (  # noqa: E402
     mla_attention,
     sparse_tiles,
 )
-from pcppass.kernels.attention.select import SELECT_TILES, select_topk_triton  # noqa: E402
+from pcppass.kernels.attention.select import SELECT_TILES, select_topk_triton
 
 DENSE_MAX_ROWS = 32
+
+
+def v32_inputs(rows: int, context: int) -> list[V32Inputs]:
+    """Enough sets of the V3.2 kernels' inputs (those of :func:`pcppass.bench.kernels.v32_cases`)
+    that their caches come from HBM, not L2."""
+    return [v32_input_set(rows, context, s)
+            for s in range(input_sets(rows * min(V32.topk, context) * V32.latent_row_bytes))]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference over the largest reference value (inf where the finite entries differ)."""
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)):
+        return float("inf")
+    got, want = got[finite].float(), want[finite].float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def time_calls(calls, reps: int) -> float | str:
+    """Median µs per call of ``calls`` replayed from one CUDA graph, or why they could not run."""
+    def replay_all():
+        for call in calls:
+            call()
+
+    try:
+        replay_all()
+        torch.cuda.synchronize()
+        ms, status = time_graph(replay_all, 2, reps)
+    except Exception as exc:  # a launch the compiler rejects (shared memory, registers) is reported
+        torch.cuda.synchronize()
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+    return statistics.median(ms) * 1000 / len(calls) if ms is not None else status
 
 
 def v32_row(rows: int, context: int, reps: int) -> dict:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The README's decode-step configuration re-measured with the run-time checks on (nvidia-h200-x2, from the
-# repository root; installs pcppass editable). Results: bench/results/bench_h200x2_checks_on_l2.* and, when it
-# fits in the time left, bench_h200x2_checks_on_l16.*; the summary table is printed last.
+# docs/BENCH.md's first table ("Decode steps with the checks on"): the README's decode-step configuration with
+# the run-time checks on (nvidia-h200-x2, from the repository root; installs pcppass editable). Results:
+# bench/results/bench_h200x2_checks_on_l2.* and, when it fits in the time left, bench_h200x2_checks_on_l16.*;
+# the summary table is printed last.
 #   stage 1: llama and deepseek_v32, 2 layers, P = 2, 32 rows per rank, 32k context, caches in symmetric
 #            memory: replicated; pcppass deferred with the backend's automatic transport (peer stores there)
 #            and with the all-gather transport forced, each with SyncChecks() on and, beside it, every check
@@ -10,9 +11,7 @@
 #   stage 2 (only if >= 75 s are left): deepseek_v32, 16 layers, ordinary caches (the all-gather transport):
 #            replicated, pcppass deferred (checks on), no sync.
 # Everything in one call of at most BUDGET_S seconds (default 180). NVLink multicast stays off.
-# Run on 2026-11-30 at commit c30472f: every checked step failed at the state digest (a CPU tensor
-# all-gathered on NCCL; bench/results/bench_h200x2_checks_on_attempt1.log). Fixed in 59b526e; re-run on
-# 2026-12-01 (BUDGET_S=560, 182 s): every variant captured, replicas equal after the replays, checks add
+# Run on 2026-12-01 (BUDGET_S=560, 182 s): every variant captured, replicas equal after the replays, checks add
 # 1.1-9.7 us per step (<= 0.40%); bench/results/bench_h200x2_checks_on_l{2,16}.*.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -53,6 +52,13 @@ fi
 for f in "$OUT"/bench_h200x2_checks_on_l*.md; do
   echo "== $f"; grep -E "after the timed|not captured|checks add|symmetric memory:|### error" "$f" | cut -c1-300
 done
-python3 bench/checks_on_table.py "$OUT"/bench_h200x2_checks_on_l2.json "$OUT"/bench_h200x2_checks_on_l16.json \
-  "$OUT"/bench_h200x2_checks_on_l2.partial.json "$OUT"/bench_h200x2_checks_on_l16.partial.json
+# the summary table of docs/BENCH.md from whichever results (or partial results) were written
+python3 - "$OUT"/bench_h200x2_checks_on_l2.json "$OUT"/bench_h200x2_checks_on_l16.json \
+  "$OUT"/bench_h200x2_checks_on_l2.partial.json "$OUT"/bench_h200x2_checks_on_l16.partial.json <<'PY'
+import json, sys
+from pathlib import Path
+from pcppass.bench.step_report import summary_table
+found = [Path(p) for p in sys.argv[1:] if Path(p).exists()]
+print(summary_table([json.loads(p.read_text()) for p in found]) if found else "no results")
+PY
 echo "total $(( $(date +%s) - START )) s"

@@ -46,6 +46,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from pcppass.kernels.collectives import all_gather_single
+
 MLA_ROW = 656
 INDEXER_VALUES, INDEXER_SCALES = 128, 4
 BLOCK = 64
@@ -191,7 +193,7 @@ def allgather_sync(layers: Layers, group: str, checks: bool, which: range | None
     def run() -> None:
         packed = ops.sync_pack(FP, caches, cache_slots, layouts, payloads)
         gathered = packed.new_empty(packed.numel() * world)
-        dist.all_gather_into_tensor(gathered, packed)
+        all_gather_single(gathered, packed)
         index = ops.sync_read_header(gathered, world, FP, n + len(payloads), checks)
         ops.sync_scatter_rows_all(caches, gathered, index, list(range(n)), slots_segments, layouts, group, sites,
                                   checks)
@@ -261,7 +263,7 @@ def sync_rank(rank: int, world: int, cfg: Config) -> dict:
         entry["row_bytes_per_rank"] = (rows - 1) * cfg.layers * (MLA_ROW + INDEXER_VALUES + INDEXER_SCALES)
         bare = torch.randint(0, 255, (packed.numel(),), dtype=torch.uint8, device="cuda")
         bare_out = torch.empty(packed.numel() * world, dtype=torch.uint8, device="cuda")
-        entry["variants"]["bare"] = graph_us(lambda: dist.all_gather_into_tensor(bare_out, bare), cfg.reps)
+        entry["variants"]["bare"] = graph_us(lambda: all_gather_single(bare_out, bare), cfg.reps)
         entry["floor_us"] = (world - 1) * rows * cfg.layers * (MLA_ROW + INDEXER_VALUES + INDEXER_SCALES) \
             / NVLINK_BYTES_PER_S * 1e6
         out["rows"][str(rows)] = entry
@@ -295,7 +297,7 @@ def _kernel_rates(rows: int, rank: int, world: int, cfg: Config, group: str) -> 
     n = len(caches)
     packed = ops.sync_pack(FP, caches, cache_slots, layouts, payloads)
     gathered = packed.new_empty(packed.numel() * world)
-    dist.all_gather_into_tensor(gathered, packed)
+    all_gather_single(gathered, packed)
     index = ops.sync_read_header(gathered, world, FP, n + len(payloads), True)
 
     def scatter() -> None:

@@ -1,8 +1,7 @@
 """The Gluon MLA kernels over fp8_ds_mla rows (what the launcher runs on Hopper): DeepSeek-V3.2's
-sparse MLA (``gluon_kernels.sparse_mla_kernel``) and dense MLA (DeepSeek-V2's 16 heads per program:
-the launcher's ``gluon_kernels.dense_mla_kernel`` and ``gluon_dense``'s two kernels with the MMAs' A
-operands in registers, each dense test run for all three), against a float32 reference and the
-Triton kernel (skipped without an sm_90 GPU).
+sparse MLA (``gluon_kernels.sparse_mla_kernel``) and dense MLA (DeepSeek-V2's 16 heads per program,
+``gluon_kernels.dense_mla_kernel``), against a float32 reference and the Triton kernel (skipped
+without an sm_90 GPU).
 
 The kernel rounds every latent value once to float16 in units of its key tile's largest scale, so
 the tests draw caches whose scales differ from key to key inside a tile (up to 2^11) and from tile
@@ -11,7 +10,6 @@ split the launcher picks for 4 to 32 decode rows per rank; and check what must h
 alone and among others, a CUDA-graph replay, and queries or caches scaled by powers of two.
 """
 
-import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -213,15 +211,13 @@ def test_sparse_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_mat
 # --- dense MLA (every visible position), DeepSeek-V2 widths -------------------------------------
 
 
-@pytest.fixture(params=["ws", "regs", "regs_ws", "fp8"])
-def dense_tiles(request):
-    """The launch shape of each dense Gluon kernel: the warp-specialised
-    ``gluon_kernels.dense_mla_kernel``, ``gluon_dense``'s with the MMAs' A operands in registers
-    (``dense_mla_regs_kernel``: one warp group; ``dense_mla_regs_ws_kernel``: three) and
-    ``gluon_dense_fp8.dense_mla_fp8_kernel`` (the scores as fp8 MMAs on the raw codes)."""
+@pytest.fixture
+def dense_tiles():
+    """The launcher's dense fp8_ds_mla launch shape (on Hopper: the warp-specialised
+    ``gluon_kernels.dense_mla_kernel``)."""
     from pcppass.kernels.attention import launch
 
-    return dataclasses.replace(launch.MLA_FP8_TILES, dense_kernel=request.param)
+    return launch.MLA_FP8_TILES
 
 
 def dense_kernels(q_lat, q_pe, cache, step, tiles):

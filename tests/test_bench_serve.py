@@ -163,11 +163,12 @@ def test_checks_cover_every_round():
 
 
 def test_markdown_renders_a_result_file_from_before_the_rounds():
-    """bench/results/serve_h200x2_llama.json has one run per (hit rate, mode), no rounds: each is its
-    own median and range, and its sign against replicated counts as one round."""
+    """A result file written before the rounds (the P = 2 llama serving run of 2026-11-30) has one
+    run per (hit rate, mode): each is its own median and range, and its sign against replicated
+    counts as one round."""
     from pcppass.bench.serve_report import markdown
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "serve_h200x2_llama.json"
+    path = Path(__file__).resolve().parent / "data" / "serve_h200x2_llama_before_rounds.json"
     result = json.loads(path.read_text())
     text = markdown(result)
     rows = [line for line in text.splitlines() if re.match(r"\| \d+% / ", line)]  # the summary table's

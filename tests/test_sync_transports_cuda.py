@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pcppass.engine.launch import launch
+from pcppass.kernels.collectives import all_gather_single
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -84,7 +85,7 @@ def _replays(rank, world):
     def allgather():
         packed = ops.sync_pack(FP, caches, cache_slots, encoded, [slots, idx_slots])
         gathered = packed.new_empty(packed.numel() * world)
-        dist.all_gather_into_tensor(gathered, packed)
+        all_gather_single(gathered, packed)
         index = ops.sync_read_header(gathered, world, FP, 8, True)
         ops.sync_scatter_rows_all(caches, gathered, index, list(range(6)), segments, encoded, group, sites, True)
 

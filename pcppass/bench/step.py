@@ -42,6 +42,7 @@ from pcppass.bench.environment import environment
 from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
 from pcppass.bench.results import save_partial
 from pcppass.bench.timing import bare_all_gather_us, capture, time_steps, timed
+from pcppass.kernels.collectives import all_gather_single
 from pcppass.kernels.attention.launch import decode_rows_per_rank
 
 #: synced variant -> (schedule, transport); ``<variant>_nochecks``: the same with every check off
@@ -179,7 +180,7 @@ def bench_model(rank: int, world: int, cfg: StepBenchConfig, name: str, layers: 
                 hidden = fn(ids, positions, meta, setup.caches)
             if cfg.gather_hidden and variant in SHARDED:
                 out = hidden.new_empty((hidden.shape[0] * world, hidden.shape[1]))
-                dist.all_gather_into_tensor(out, hidden)
+                all_gather_single(out, hidden)
                 return out
             return hidden
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from pcppass.bench.inputs import caches_equal_across_ranks
 from pcppass.bench.timing import across_ranks, bare_all_gather_us, time_graph, time_steps
+from pcppass.kernels.collectives import all_gather_single
 
 if TYPE_CHECKING:
     from pcppass.bench.step import StepBenchConfig
@@ -55,7 +56,7 @@ def sync_microbench(rank: int, world: int, cfg: StepBenchConfig, log: Callable[[
         pack = rows_cuda.pack if impl == "per_cache" else ops.sync_pack
         packed = pack(fp, caches, slots, layouts, payloads)
         gathered = packed.new_empty(packed.numel() * world)
-        dist.all_gather_into_tensor(gathered, packed)
+        all_gather_single(gathered, packed)
         header = rows_cuda.read_header if impl == "per_cache" else ops.sync_read_header
         index = header(gathered, world, fp, n + len(payloads), verify)
         decoded = decode_layouts(layouts)
@@ -108,7 +109,7 @@ def sync_microbench(rank: int, world: int, cfg: StepBenchConfig, log: Callable[[
 
         def bare_per_site():
             for _ in range(layers):
-                dist.all_gather_into_tensor(site_out, site_buf)
+                all_gather_single(site_out, site_buf)
 
         entry: dict[str, Any] = {"bytes_per_rank_deferred": all_bytes, "bytes_per_rank_per_site": packed_bytes,
                                  "collectives_per_site_method": layers, "collectives_deferred": 1}

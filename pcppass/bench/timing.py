@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from pcppass.kernels.collectives import all_gather_single
+
 
 def summary(ms: list[float]) -> dict[str, float]:
     q = statistics.quantiles(ms, n=10) if len(ms) >= 2 else [ms[0]] * 9
@@ -87,7 +89,7 @@ def bare_all_gather_us(nbytes: int, reps: int = 200, graph: bool = True) -> dict
     out = torch.empty(buf.numel() * dist.get_world_size(), dtype=torch.uint8, device="cuda")
 
     def gather():
-        dist.all_gather_into_tensor(out, buf)
+        all_gather_single(out, buf)
 
     res = {"bytes_per_rank": nbytes,
            "eager_us": statistics.median(time_steps(gather, 10, reps)) * 1000}

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from pcppass.engine.contract import CacheGroupSpec, CacheSpec, StepKind
 from pcppass.engine.graphs import CudaGraphRunner, decode_graph_sizes
+from pcppass.kernels.collectives import all_gather_single
 from pcppass.engine.layout import (
     LayoutPlan,
     LocalStep,
@@ -343,8 +344,7 @@ class Engine:
                 # no grad: gloo gathers some dtypes (bfloat16) into views of `gathered`, which grad
                 # mode refuses to write in place (the copy may run when the work is waited on)
                 with torch.no_grad():
-                    work = dist.all_gather_into_tensor(gathered, hidden.contiguous(), group=self.group,
-                                                       async_op=True)
+                    work = all_gather_single(gathered, hidden.contiguous(), group=self.group, async_op=True)
                     if hidden.device.type == "cpu":
                         # gloo: a wait that ends once the liveness watch declares a peer dead
                         # (gloo's own lasts until the process-group timeout)

@@ -22,6 +22,18 @@ import torch.distributed as dist
 
 from pcppass.runtime.liveness import wait_watched
 
+#: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name now warns,
+#: FutureWarning, at every call); torch 2.11 has only the old name.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                      async_op: bool = False) -> dist.Work | None:
+    """Every rank's ``tensor`` (the same shape on all) into ``output``, rank by rank along dim 0:
+    ``torch.distributed.all_gather_single`` where torch has it, ``all_gather_into_tensor`` before."""
+    return _ALL_GATHER_SINGLE(output, tensor, group=group, async_op=async_op)
+
+
 #: data pointer of a gathered buffer -> the collective filling it (started, not yet waited for)
 _PENDING: dict[int, dist.Work] = {}
 
@@ -37,7 +49,7 @@ def all_gather_start(input: torch.Tensor, group_size: int, group_name: str) -> t
     """Start the all-gather of every rank's ``input`` along dim 0 (``all_gather_into_tensor``);
     the result is valid once :func:`all_gather_wait` returned it."""
     out = input.new_empty((group_size * input.shape[0], *input.shape[1:]))
-    work = dist.all_gather_into_tensor(out, input.contiguous(), group=_resolve(group_name), async_op=True)
+    work = all_gather_single(out, input.contiguous(), group=_resolve(group_name), async_op=True)
     _PENDING[out.data_ptr()] = work
     return out
 

@@ -110,23 +110,6 @@ def _tile_unit(largest_scale):
 
 
 @gluon.jit
-def e4m3_words_f16(words):
-    """32-bit words of four e4m3 codes -> four float16 tensors, bytes 0..3 of each word (one ``cvt``
-    per two codes; exact: every e4m3 value is a float16)."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .b16 lo, hi;
-        .reg .b32 a, b;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        cvt.rn.f16x2.e4m3x2 b, hi;
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
-        }""",
-        "=h,=h,=h,=h,r", [words], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
-
-
-@gluon.jit
 def e4m3_words_scaled_f16(words, scale):
     """32-bit words of four e4m3 codes times ``scale`` (float16x2 bits, broadcast to ``words``) ->
     four float16 tensors, bytes 0..3 of each word (one ``cvt`` and one ``mul.f16x2`` per two codes)."""
@@ -294,17 +277,13 @@ def _dequant_warps(INDEX, TABLES, CODES, ROPE_VALUES, table_row, row, lo, hi, st
 
 @gluon.jit
 def _query_to_smem(Q_LAT, Q_PE, row, head0, stride_qt, stride_qh, stride_pt, stride_ph, q_smem, qpe_smem,
-                         GROUP: gl.constexpr, H: gl.constexpr, heads_l: gl.constexpr, PERMUTED: gl.constexpr = False):
+                         GROUP: gl.constexpr, H: gl.constexpr, heads_l: gl.constexpr):
     """The program's ``GROUP`` heads' latent queries as float16 (four 128-dim chunks, each head scaled
     by the power of two that puts its largest value in [2^14, 2^15)) and RoPE queries (bf16), padded
-    with zero heads to ``H``; returns the factors that undo the scaling, per head, in ``heads_l``.
-    ``PERMUTED``: each chunk's position ``16w' + 8b1 + 2t + b0`` holds dim ``32t + 4w' + 2b1 + b0``
-    (the reduction order of :mod:`gluon_dense`'s register operands)."""
+    with zero heads to ``H``; returns the factors that undo the scaling, per head, in ``heads_l``."""
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     qh = gl.arange(0, H, layout=gl.SliceLayout(1, q_l))
     qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_l))
-    if PERMUTED:
-        qd = 32 * ((qd >> 1) & 3) + 4 * (qd >> 4) + 2 * ((qd >> 3) & 1) + (qd & 1)
     rq = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
     live = (qh < GROUP)[:, None]
     q_at = Q_LAT + row * stride_qt + (head0 + qh)[:, None] * stride_qh + qd[None, :]

@@ -87,21 +87,16 @@ class MlaTiles:
     separate_loads: bool = False  # dense fp8_ds_mla rows: see triton_kernels.latent_scores
     dequant_tile: bool = False  # fp8_ds_mla rows: see triton_kernels.dequantized_latent
     gluon: bool = False  # fp8_ds_mla rows on Hopper: gluon_kernels.{sparse,dense}_mla_kernel (gluon_*_fits)
-    dense_kernel: str = "ws"  # with gluon, dense rows: "ws" gluon_kernels.dense_mla_kernel, "regs" / "regs_ws"
-    # gluon_dense.dense_mla_regs_kernel / dense_mla_regs_ws_kernel (A operands in registers), "fp8"
-    # gluon_dense_fp8.dense_mla_fp8_kernel (the scores as fp8 MMAs on the raw codes; docs/BENCH.md)
 
 
-#: decode launch shapes measured on the H200 (bench/results/attention_tiles_*h200.*): GQA and
-#: dense MLA at 32 rows, 32k (bf16 and fp8 caches apart); the indexer at 32 / 64 rows, 32k; sparse
-#: MLA with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row). Block ids
-#: in registers (every shape's default) measured faster for every kernel but fp8_ds_mla dense
-#: MLA, which they leave as it was (attention_tiles_table_regs_h200.*,
-#: attention_tiles_indexer_regs_h200.*); fp8_ds_mla dense MLA gains from separate loads instead
-#: (attention_tiles_ds_mla_loads_h200.*). Sparse MLA dequantises each key tile whole (146 against
-#: 173 µs at 32 rows, 47 against 54 at 8 with 256 picks per split; dense fp8_ds_mla MLA 625
-#: against 526, so it keeps separate loads: attention_tiles_dequant_{sparse,dense}_h200.*). Prefill tiles (several rows per program, which
-#: load their block ids) keep the shapes they were written with.
+#: decode launch shapes measured on the H200 (launch-shape sweeps, docs/KERNELS.md): GQA and dense
+#: MLA at 32 rows, 32k (bf16 and fp8 caches apart); the indexer at 32 / 64 rows, 32k; sparse MLA
+#: with DeepSeek-V3.2's 128 heads and 2048 picks (two programs of 64 heads per row). Block ids in
+#: registers (every shape's default) measured faster for every kernel but fp8_ds_mla dense MLA,
+#: which gains from separate loads instead. Sparse MLA dequantises each key tile whole (146 against
+#: 173 µs at 32 rows, 47 against 54 at 8 with 256 picks per split; dense fp8_ds_mla MLA 625 against
+#: 526, so it keeps separate loads). Prefill tiles (several rows per program, which load their
+#: block ids) keep the shapes they were written with.
 GQA_TILES = GqaTiles(bn=64, stages=2)
 GQA_FP8_TILES = GqaTiles(bn=128, stages=3, f16_dots=True)
 GQA_PREFILL_TILES = GqaTiles()
@@ -110,11 +105,6 @@ MLA_TILES = MlaTiles(bn=64, stages=2)
 MLA_FP8_TILES = MlaTiles(bn=32, stages=3, separate_loads=True, gluon=True)
 #: the same launches with the Triton kernel only (what runs off Hopper)
 MLA_FP8_TRITON_TILES = dataclasses.replace(MLA_FP8_TILES, gluon=False)
-#: the same launches with each dense Gluon kernel: the warp-specialised gluon_kernels.dense_mla_kernel
-#: and gluon_dense's with the MMAs' A operands in registers (one warp group; three)
-MLA_FP8_WS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="ws")
-MLA_FP8_REGS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="regs")
-MLA_FP8_REGS_WS_TILES = dataclasses.replace(MLA_FP8_TILES, dense_kernel="regs_ws")
 MLA_PREFILL_TILES = MlaTiles()
 SPARSE_MLA_TILES = MlaTiles(heads=64, bn=32, warps=8, stages=3, dequant_tile=True, gluon=True)
 #: the same launches with the Triton kernel only (what runs off Hopper)
@@ -425,9 +415,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         raise ValueError(f"mla_attention: launch shape {tiles} stacks a different number of heads")
     span = index.shape[1] if sparse else rows.tables.shape[1] * bs
     if not sparse and tiles.gluon and gluon_dense_fits(q_lat, q_pe, cache, ds_mla, schedule):
-        dense = {"ws": dense_mla_gluon, "regs": dense_mla_regs, "regs_ws": dense_mla_regs_ws,
-                 "fp8": dense_mla_fp8}[tiles.dense_kernel]
-        return dense(q_lat, q_pe, cache, rows, scale)
+        return dense_mla_gluon(q_lat, q_pe, cache, rows, scale)
     splits, split = _splits(schedule, span, tiles.sparse_split if sparse else MLA_SPLIT)
     out, part_o, part_ml = _outputs(t, heads, lat, splits, q_lat.dtype, q_lat.device)
     if ds_mla:
@@ -484,37 +472,6 @@ def dense_mla_gluon(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     :data:`DENSE_GLUON_HEADS` heads, split of ``split`` keys, default :data:`DENSE_GLUON_SPLIT`),
     merged by :func:`_combine` -> ``[T, H, 512]``. ``shape``: the kernel's launch constants
     (``DEQUANT_WARP_REGS``, ...) for benchmarks; the defaults are the measured ones."""
-    gluon = kernels("gluon_kernels")
-    return _dense_gluon(gluon.dense_mla_kernel, q_lat, q_pe, cache, rows, scale, split, shape)
-
-
-def dense_mla_regs(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
-                   split: int | None = None, **shape) -> torch.Tensor:
-    """:func:`~pcppass.kernels.attention.gluon_dense.dense_mla_regs_kernel` (both MMAs' A operands in
-    registers) over the same programs as :func:`dense_mla_gluon` -> ``[T, H, 512]``. ``shape``: its
-    launch constants for benchmarks (``PROBE``)."""
-    return _dense_gluon(kernels("gluon_dense").dense_mla_regs_kernel, q_lat, q_pe, cache, rows, scale, split, shape)
-
-
-def dense_mla_regs_ws(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
-                      split: int | None = None, **shape) -> torch.Tensor:
-    """:func:`~pcppass.kernels.attention.gluon_dense.dense_mla_regs_ws_kernel` (register operands,
-    a scores warp group and two values warp groups) over the same programs -> ``[T, H, 512]``."""
-    return _dense_gluon(kernels("gluon_dense").dense_mla_regs_ws_kernel, q_lat, q_pe, cache, rows, scale, split,
-                        shape)
-
-
-def dense_mla_fp8(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
-                  split: int | None = None, **shape) -> torch.Tensor:
-    """:func:`~pcppass.kernels.attention.gluon_dense_fp8.dense_mla_fp8_kernel` (the scores as fp8 MMAs
-    on the raw codes, the values in two register-operand warp groups) over the same programs ->
-    ``[T, H, 512]``. ``shape``: its launch constants for benchmarks (``STAGES``, ``PROBE``)."""
-    return _dense_gluon(kernels("gluon_dense_fp8").dense_mla_fp8_kernel, q_lat, q_pe, cache, rows, scale, split,
-                        shape)
-
-
-def _dense_gluon(kernel, q_lat, q_pe, cache, rows: StepRows, scale: float, split: int | None, shape: dict):
-    """One launch of a dense fp8_ds_mla Gluon kernel (the four above share their arguments)."""
     t, heads, lat = q_lat.shape
     split = split or DENSE_GLUON_SPLIT
     flat = cache.view(torch.uint8).reshape(cache.shape[0], cache.shape[1], -1)
@@ -524,7 +481,7 @@ def _dense_gluon(kernel, q_lat, q_pe, cache, rows: StepRows, scale: float, split
     if t:
         gluon = kernels("gluon_kernels")
         box = min(flat.shape[1], gluon.DENSE_BN)
-        kernel[(t, heads // group, splits)](
+        gluon.dense_mla_kernel[(t, heads // group, splits)](
             q_lat, q_pe, *gluon.dense_descriptors(flat, box), rows.tables, rows.positions, rows.token_to_req,
             rows.is_padding, out, part_o, part_ml, scale * 1.4426950408889634, splits, heads,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), rows.tables.stride(0), out.stride(0),

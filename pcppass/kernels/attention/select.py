@@ -35,8 +35,8 @@ class SelectTiles:
     rows of at most ``min_chunk`` keys run as one chunk on ``min_warps`` warps (at least one key
     per lane). In a call of at most ``part_rows`` rows, a sampled row longer than ``part``
     positions has its candidates found by one program per ``part`` positions (``part=0``: by its
-    own program, as a whole). Measured on the H200 (bench/results/attention_tiles_select_h200.*, 27
-    shapes, every one's picks equal): 8 warps take 36 / 52 µs per call at 32 rows, 16k / 32k,
+    own program, as a whole). Measured on the H200 (a sweep of 27 shapes, every one's picks equal;
+    docs/KERNELS.md): 8 warps take 36 / 52 µs per call at 32 rows, 16k / 32k,
     against 43 / 63 µs with 16 (8 warps spill some registers in an sm_90 build and are still
     faster). With one program per row a call takes 49-52 µs at 32k from 4 to 64 rows; with parts
     36 µs up to 16 rows, 50.5 at 32 and 74 at 64, where every part repeats its row's sample

@@ -1,21 +1,17 @@
-"""A decode kernel's machine code without a GPU: registers, spills, shared memory and the
-instruction mix of its main loop, compiled for an H100/H200 (sm_90) on any machine.
+"""The launcher's paged-attention kernels compiled for an H100/H200 (sm_90) on a machine without a
+GPU, for what a test can read off their machine code: registers, spills, shared memory, the main
+loop's instructions.
 
-    python bench/kernel_sass.py --kernels mla_fp8_ds_mla,mla_bf16,gqa_bf16,gqa_fp8 [--dump DIR]
-
-Each launcher runs on small CPU tensors with its kernel launch intercepted; the intercepted
-arguments are specialised as Triton's own launch would specialise them (the pointer and integer
-alignments, the integers equal to 1) and compiled with Triton's bundled ``ptxas`` for ``sm_90a``,
-then disassembled with its ``cuobjdump``. The loop is the longest backward branch of the SASS; its
-opcodes are counted once per iteration (per warp). The shapes are those of the decode launches
-(one program per row, several key splits), so the counts are those of the kernels
-``bench/attention_tiles.py`` times on the GPU. ``--dump DIR`` writes each kernel's TTGIR, PTX and
-SASS there.
+Each launcher runs on small CPU tensors with its kernel launch intercepted (:func:`intercept`); the
+intercepted arguments are specialised as Triton's own launch would specialise them (the pointer and
+integer alignments, the integers equal to 1) and compiled with Triton's bundled ``ptxas`` for
+``sm_90a`` (:func:`compile_launch`), then disassembled with its ``cuobjdump`` (:func:`sass_stats`).
+The loop is the longest backward branch of the SASS; its opcodes are counted once per iteration
+(per warp). The shapes are those of the decode launches (one program per row, several key splits).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import re
@@ -87,7 +83,7 @@ def intercept(run: Callable[[], object], kernel: str) -> Launch:
     finally:
         launch.kernels = real
     if not found:
-        raise RuntimeError(f"kernel_sass: no launch of {kernel}")
+        raise RuntimeError(f"no launch of {kernel}")
     return found[0]
 
 
@@ -120,14 +116,11 @@ class SassStats:
     shared_bytes: int
     loop_instructions: int
     loop_opcodes: collections.Counter
-
-    def row(self, top: int = 12) -> str:
-        mix = ", ".join(f"{op} {n}" for op, n in self.loop_opcodes.most_common(top))
-        return (f"{self.registers} registers, {self.stack_bytes} B stack, {self.shared_bytes} B shared; "
-                f"loop {self.loop_instructions} instructions: {mix}")
+    sass: str
 
 
-def _tool(name: str, *args: str) -> str:
+def tool(name: str, *args: str) -> str:
+    """Output of Triton's bundled CUDA binary tool ``name`` (``cuobjdump``, ...)."""
     return subprocess.run([str(_BIN / name), *args], capture_output=True, text=True, check=True).stdout
 
 
@@ -144,20 +137,17 @@ def _loop_opcodes(sass: str) -> tuple[int, collections.Counter]:
     return len(body), collections.Counter(text.split()[0].split(".")[0] for text in body)
 
 
-def sass_stats(kernel, dump: Path | None = None, tag: str = "kernel") -> SassStats:
+def sass_stats(kernel) -> SassStats:
+    """Registers, stack and shared bytes, the main loop's opcodes and the whole SASS of a compiled kernel."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         Path(cubin).write_bytes(kernel.asm["cubin"])
-        sass = _tool("cuobjdump", "-sass", cubin)
-        usage = _tool("cuobjdump", "-res-usage", cubin)
+        sass = tool("cuobjdump", "-sass", cubin)
+        usage = tool("cuobjdump", "-res-usage", cubin)
     fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", usage))
-    if dump is not None:
-        dump.mkdir(parents=True, exist_ok=True)
-        for ext in ("ttgir", "ptx"):
-            (dump / f"{tag}.{ext}").write_text(kernel.asm[ext])
-        (dump / f"{tag}.sass").write_text(sass)
     count, opcodes = _loop_opcodes(sass)
-    return SassStats(int(fields.get("REG", 0)), int(fields.get("STACK", 0)), kernel.metadata.shared, count, opcodes)
+    return SassStats(int(fields.get("REG", 0)), int(fields.get("STACK", 0)), kernel.metadata.shared, count, opcodes,
+                     sass)
 
 
 def decode_step(rows: int = 2, context: int = 4096, block_size: int = 64):
@@ -183,21 +173,11 @@ def mla_inputs(ds_mla: bool, heads: int = 16) -> tuple:
     return q_lat, q_pe, cache, step
 
 
-def mla_case(ds_mla: bool) -> Launch:
-    """The launcher's dense MLA decode launch over :func:`mla_inputs`."""
+def triton_mla_case(ds_mla: bool) -> Launch:
+    """The launcher's dense MLA decode launch over :func:`mla_inputs` on CPU tensors: the Triton
+    kernel (the Gluon kernels ask for CUDA tensors on sm_90)."""
     q_lat, q_pe, cache, step = mla_inputs(ds_mla)
     return intercept(lambda: launch.mla_attention(q_lat, q_pe, cache, step, 0.07, ds_mla), "mla_kernel")
-
-
-def gqa_case(fp8: bool) -> Launch:
-    """Llama-3.1-8B's GQA decode launch (32 q / 8 kv heads x 128) over bf16 or fp8 K/V."""
-    step, blocks = decode_step()
-    q = torch.randn(2, 32, 128, dtype=torch.bfloat16)
-    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    k = torch.randn(blocks, 64, 8, 128).to(dtype)
-    v = torch.randn(blocks, 64, 8, 128).to(dtype)
-    scales = (torch.tensor([1.0]), torch.tensor([1.0])) if fp8 else (None, None)
-    return intercept(lambda: launch.gqa_attention(q, k, v, step, 0.088, *scales), "gqa_kernel")
 
 
 def sparse_mla_gluon_case(picks_per_split: int = 1024) -> Launch:
@@ -216,49 +196,3 @@ def dense_mla_gluon_case(heads: int = 16) -> Launch:
     what the launcher runs on Hopper."""
     q_lat, q_pe, cache, step = mla_inputs(True, heads=heads)
     return intercept(lambda: launch.dense_mla_gluon(q_lat, q_pe, cache, step, 0.07), "dense_mla_kernel")
-
-
-def dense_mla_regs_case(heads: int = 16) -> Launch:
-    """The same launch of :func:`launch.dense_mla_regs` (both MMAs' A operands in registers)."""
-    q_lat, q_pe, cache, step = mla_inputs(True, heads=heads)
-    return intercept(lambda: launch.dense_mla_regs(q_lat, q_pe, cache, step, 0.07), "dense_mla_regs_kernel")
-
-
-def dense_mla_regs_ws_case(heads: int = 16) -> Launch:
-    """The same launch of :func:`launch.dense_mla_regs_ws` (register operands in three warp groups)."""
-    q_lat, q_pe, cache, step = mla_inputs(True, heads=heads)
-    return intercept(lambda: launch.dense_mla_regs_ws(q_lat, q_pe, cache, step, 0.07), "dense_mla_regs_ws_kernel")
-
-
-def dense_mla_fp8_case(heads: int = 16) -> Launch:
-    """The same launch of :func:`launch.dense_mla_fp8` (the scores as fp8 MMAs on the raw codes)."""
-    q_lat, q_pe, cache, step = mla_inputs(True, heads=heads)
-    return intercept(lambda: launch.dense_mla_fp8(q_lat, q_pe, cache, step, 0.07), "dense_mla_fp8_kernel")
-
-
-CASES: dict[str, Callable[[], Launch]] = {
-    "mla_fp8_ds_mla": lambda: mla_case(True),
-    "mla_bf16": lambda: mla_case(False),
-    "gqa_bf16": lambda: gqa_case(False),
-    "gqa_fp8": lambda: gqa_case(True),
-    "sparse_mla_gluon": sparse_mla_gluon_case,
-    "dense_mla_gluon": dense_mla_gluon_case,
-    "dense_mla_regs": dense_mla_regs_case,
-    "dense_mla_regs_ws": dense_mla_regs_ws_case,
-    "dense_mla_fp8": dense_mla_fp8_case,
-}
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", default=",".join(CASES))
-    parser.add_argument("--dump", type=Path, default=None)
-    args = parser.parse_args()
-    for name in args.kernels.split(","):
-        stats = sass_stats(compile_launch(CASES[name]()), args.dump, name)
-        print(f"{name}: {stats.row()}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
