@@ -109,7 +109,8 @@ def test_checked_step_with_device_sync_kernels_is_capturable_on_cuda(outcomes):
 def test_reference_sync_ops_make_the_step_not_capturable_and_are_named(outcomes):
     for o in outcomes:
         names = [why.split(" ")[0] for why in o["host_reads_reference"]]
-        assert names == ["pcppass::sync_pack", "pcppass::sync_read_header", "pcppass::sync_scatter_rows_all"]
+        assert names == ["pcppass::sync_snapshot", "pcppass::sync_pack", "pcppass::sync_read_header",
+                         "pcppass::sync_verdict", "pcppass::sync_scatter_rows_all"]
         ok, why = o["on_cuda_reference"]
         assert not ok and "pcppass::sync_pack (pcppass.kernels.rows: reads the device on the host)" in why
 

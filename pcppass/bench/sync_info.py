@@ -65,12 +65,13 @@ def _named_args(node: torch.fx.Node) -> dict[str, Any]:
 
 def graph_checks(graph: torch.fx.GraphModule) -> dict[str, bool]:
     """The run-time checks the sync nodes of ``graph`` carry: ``header`` (every rank's sync header
-    compared: the ``verify`` argument) and ``slot_conflicts`` (two owners of one slot refused: the
-    ``check_conflicts`` argument); empty when the graph has no sync node."""
+    compared: ``sync_read_header``'s ``verify``, or ``sync_verdict``'s ``verify_header`` where the
+    verdict checks it before anything is written) and ``slot_conflicts`` (two owners of one slot
+    refused: the ``check_conflicts`` argument); empty when the graph has no sync node."""
     found: dict[str, bool] = {}
     for node in _sync_nodes(graph):
         args = _named_args(node)
-        for arg, check in (("verify", "header"), ("check_conflicts", "slot_conflicts")):
+        for arg, check in (("verify", "header"), ("verify_header", "header"), ("check_conflicts", "slot_conflicts")):
             if arg in args:
                 found[check] = found.get(check, False) or bool(args[arg])
     return found

@@ -26,7 +26,7 @@ import functools
 import hashlib
 import importlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -233,14 +233,17 @@ class PcpSyncPass(CustomGraphPass):
                         "unsynchronised (unsafe_ignore)", len(uncovered), len(breaks), len(rebound))
         plan = plan_sync([w for w in writes if w.covered])
         owners = self.schedule == "immediate" and self.checks.slot_conflicts
+        checked = 0
         if self.checks.inputs or owners:
-            insert_slot_checks(gm, plan, group_name=group.group_name, world_size=world,
-                               ranges=self.checks.inputs, owners=owners)
+            checked = insert_slot_checks(gm, plan, group_name=group.group_name, world_size=world,
+                                         ranges=self.checks.inputs, owners=owners)
         rewrite = insert_sync(
             gm, plan, schedule=self.schedule, group_name=group.group_name, world_size=world,
             verify_header=self.checks.header, check_conflicts=self.checks.slot_conflicts,
             extra_fingerprint=f"{fingerprint_extra} {self.config_text()}", transport=self.transport,
         )
+        if checked:  # the slot check's all-gather runs every step too: the report counts it
+            rewrite = replace(rewrite, collectives=rewrite.collectives + 1)
         reason = (f"{rewrite.sites} write site(s), {rewrite.collectives} collective(s) per step "
                   f"({self.schedule})")
         return SyncPassResult("sharded", reason, writes, plan, rewrite, group)
