@@ -401,3 +401,18 @@ def test_a_step_one_rank_refuses_leaves_every_replica_as_before(outcomes):
     for c in cases:
         assert c["first"] is None and c["after"] == c["before"], "a replica changed although the step was refused"
     assert cases[0]["before"] == cases[1]["before"]
+
+
+def test_state_outside_the_graph_is_named_by_its_module_path():
+    """A cache held as a plain attribute of a layer (vLLM's ``Attention.kv_cache``) is named by the
+    layer's path in the model, so the error tells one layer from the next."""
+    from pcppass.analysis.live_state import holder_name
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kv_cache = torch.zeros(2)
+
+    model = nn.Sequential(nn.ModuleDict({"attn": Layer()}), Layer())
+    assert holder_name(model[0]["attn"].kv_cache) == "Sequential.0.attn.kv_cache"
+    assert holder_name(model[1].kv_cache) == "Sequential.1.kv_cache"

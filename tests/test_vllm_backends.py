@@ -10,8 +10,9 @@ no ``unified_kv_cache_update``: the attention op is the only KV write of each la
 * Sharded at P=2 under the adapter, with requests finishing on different steps (rows change
   owner): replicas bitwise identical after every step, tokens equal ``LLM.generate``.
 * Negative control: with the attention op declared read-only whatever the backend (what pcppass
-  said before), the same run passes the coverage check and the replicas diverge at a layer's KV
-  cache: the silent miss this decision closes.
+  said before), the same run passes the coverage check; the state digest then refuses the first
+  decode step, naming a layer's KV cache, and with the digest off the replicas diverge at a
+  layer's KV cache: the silent miss this decision closes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def test_backend_storing_kv_in_forward_is_covered_and_sharded(vllm_model_dirs, v
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("VLLM_USE_LAYERNAME", "1")
     cases = [ShardedCase("llama", inner="aot_eager", register=(BACKEND,)),
+             ShardedCase("llama", register=(BACKEND, "test_vllm_backends:_as_read_only_whatever_the_backend"),
+                         state_digest=False),
+             # last: a refused sharded step aborts the process group the cases share
              ShardedCase("llama", register=(BACKEND, "test_vllm_backends:_as_read_only_whatever_the_backend"))]
     dirs = {"llama": str(vllm_model_dirs["llama"])}
     per_rank = launch(run_cases, 2, dirs, cases, timeout_s=860)
@@ -63,6 +67,10 @@ def test_backend_storing_kv_in_forward_is_covered_and_sharded(vllm_model_dirs, v
 
     check_sharded("llama, K/V stored in forward, P=2", [per_rank[r][0] for r in range(2)],
                   vllm_reference_tokens["llama"])
+    refused = [per_rank[r][2] for r in range(2)]
+    assert all(r.get("error") == "PcpSyncError" for r in refused), refused
+    assert all("state diverged across ranks" in r["message"] for r in refused), refused
+    assert all(any(layer in r["message"] for layer in LAYERS) for r in refused), refused
     old = [per_rank[r][1] for r in range(2)]
     assert all("error" not in r for r in old), old
     where = first_divergence(old)

@@ -41,6 +41,9 @@ class ShardedCase:
     engine_args: dict = field(default_factory=dict)
     #: MoE layers through vLLM's GPU dispatch op (``vllm::moe_forward``) instead of the CPU path
     moe_dispatch_op: bool = False
+    #: the cross-rank state digest (``SyncChecks.state_digest``); off only in a negative control
+    #: that must show the divergence the digest would otherwise refuse
+    state_digest: bool = True
 
 
 def _engine_args(case: ShardedCase) -> dict:
@@ -57,6 +60,7 @@ def run_sharded(rank: int, world: int, model_dir: str, case: ShardedCase) -> dic
     from pcppass.integrations.vllm.adapter import (
         VllmModel, VllmRunner, init_vllm_ranks, load_model, sharded_vllm_engine, vllm_config_for,
     )
+    from pcppass.checks import SyncChecks
     from pcppass.registry import load_builtin_patterns, unregister_pattern
 
     torch._dynamo.reset()
@@ -68,7 +72,8 @@ def run_sharded(rank: int, world: int, model_dir: str, case: ShardedCase) -> dic
     config = vllm_config_for(model_dir, **_engine_args(case))
     init_vllm_ranks(config, rank, world)
     vmodel = VllmModel(config, load_model(config), moe_dispatch_op=case.moe_dispatch_op)
-    runner = VllmRunner(vmodel, inner=case.inner, on_uncovered=case.on_uncovered)
+    runner = VllmRunner(vmodel, inner=case.inner, on_uncovered=case.on_uncovered,
+                        checks=SyncChecks(state_digest=case.state_digest))
     engine = sharded_vllm_engine(vmodel, runner, world=world, rank=rank, num_blocks=48,
                                  max_num_batched_tokens=64, max_model_len=256, record_digests=True)
     engine.add_requests([RequestSpec(i, tuple(p), n) for i, (p, n) in enumerate(zip(PROMPTS, STAGGERED_MAX_TOKENS))])

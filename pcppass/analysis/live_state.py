@@ -232,6 +232,25 @@ def _instance_of(namespace: dict) -> object:
     return None
 
 
+def _module_path(module: torch.nn.Module, depth: int = 32) -> str:
+    """``Root.child.grandchild`` of a module, through its parents' ``_modules`` dicts: the name a
+    reader finds in the model (``LlamaForCausalLM.model.layers.0.self_attn.attn``), where a class
+    name alone would not tell one layer from the next."""
+    for children in gc.get_referrers(module) if depth else ():
+        if not isinstance(children, dict) or (key := _key_in(children, module)) is None:
+            continue
+        for namespace in gc.get_referrers(children):  # the parent's __dict__ holds its _modules
+            if isinstance(namespace, dict) and namespace.get("_modules") is children:
+                parent = _instance_of(namespace)
+                if isinstance(parent, torch.nn.Module):
+                    return f"{_module_path(parent, depth - 1)}.{key}"
+    return type(module).__qualname__
+
+
+def _owner_name(owner: object) -> str:
+    return _module_path(owner) if isinstance(owner, torch.nn.Module) else type(owner).__qualname__
+
+
 def _path_to(obj: object, ignore: tuple, depth: int = 3) -> str | None:
     """How Python reaches ``obj``: ``module.NAME[key]``, ``Class.attr``, ``closure of f``."""
     referrers = gc.get_referrers(obj)  # a module's globals first: the name a reader knows
@@ -247,7 +266,7 @@ def _path_to(obj: object, ignore: tuple, depth: int = 3) -> str | None:
                 return f"{module}.{key}"
             owner = _instance_of(ref) if isinstance(ref, dict) else None
             if owner is not None:
-                return f"{type(owner).__qualname__}.{key}"
+                return f"{_owner_name(owner)}.{key}"
             outer = _path_to(ref, ignore, depth - 1) if depth else None
             if outer is not None:
                 return f"{outer}[{key!r}]"
@@ -258,7 +277,7 @@ def _path_to(obj: object, ignore: tuple, depth: int = 3) -> str | None:
         elif not isinstance(ref, (tuple, torch.Tensor, type)) and hasattr(ref, "__dict__"):
             attr = _key_in(vars(ref), obj)
             if attr is not None:
-                return f"{type(ref).__qualname__}.{attr}"
+                return f"{_owner_name(ref)}.{attr}"
     return None
 
 

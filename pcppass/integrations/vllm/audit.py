@@ -116,7 +116,9 @@ def _status(records: list[StateWrite]) -> str:
     uncovered = sorted({w.reason.value if w.reason else "unclassified" for w in records if not w.covered})
     if uncovered:
         return "uncovered: " + "; ".join(uncovered)
-    recipes = sorted({w.pattern.recipe.value for w in records})
+    # each record's own recipe: an op whose effect is decided per layer (the attention op that
+    # writes K/V on one backend and reads on another) has one pattern but per-record recipes
+    recipes = sorted({w.recipe.value for w in records if w.recipe is not None})
     return "read-only" if recipes == ["read_only"] else "covered (" + ", ".join(recipes) + ")"
 
 
