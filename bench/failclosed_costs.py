@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pcppass.engine.launch import free_port
-from pcppass.kernels import rows
+from pcppass.sync import rows
 from pcppass.runtime import state_checks
 from pcppass.spec import ResolvedLayout
 

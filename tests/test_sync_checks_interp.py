@@ -1,6 +1,6 @@
-"""Checks of the all-gather transport done on the device (pcppass.kernels.rows_cuda with
+"""Checks of the all-gather transport done on the device (pcppass.sync.rows_cuda with
 TRITON_INTERPRET=1 on CPU tensors): no host read, errors recorded in the device status and raised
-by pcppass.runtime.device_checks, replicas identical after every error.
+by pcppass.sync.device_checks, replicas identical after every error.
 
 Two ranks are simulated in one process: both pack (the bytes the all-gather would carry), the
 buffers are concatenated as the all-gather would, and each rank's scatter runs as that rank
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pcppass.errors import PcpInputError, PcpSyncError
-from pcppass.kernels import rows_cuda
-from pcppass.kernels.rows import encode_layout
-from pcppass.runtime import device_checks
+from pcppass.sync import rows_cuda
+from pcppass.sync.rows import encode_layout
+from pcppass.sync import device_checks
 from sync_cases import (ENCODED, FP, LAYOUTS, SITES, assert_replicas, cache_slots, expected_replica,
                         clean_status, group_name, interpret, make_ranks)  # noqa: F401  (fixtures)
 

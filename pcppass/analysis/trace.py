@@ -6,7 +6,7 @@ the backend returns) and stops before anything runs, so full-width models traced
 device cost only the trace.
 
 :func:`contract_step_inputs` builds one decode step for a model that follows
-:mod:`pcppass.engine.contract` (caches from ``cache_specs()``, slots from ``cache_groups()``);
+:mod:`pcppass.contract` (caches from ``cache_specs()``, slots from ``cache_groups()``);
 :func:`load_target` resolves an audit target: a built-in model name or ``module:factory``.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from pcppass.analysis.state_writes import SOURCE_META_KEY, _kind_of
-from pcppass.engine.contract import (
+from pcppass.contract import (
     IS_PADDING, QUERY_START_LOC, SEQ_LENS, TOKEN_TO_REQ, slot_key, table_key,
 )
 

@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     opt("--reps", 20, type=int, help="timed steps")
     opt("--smoke-steps", 3, type=int, help="sharded steps before the replica comparison")
     opt("--sync-kernels", "device", choices=("device", "reference"),
-        help="device: the host-sync-free CUDA kernels of pcppass.kernels.rows_cuda; reference: plain ops")
+        help="device: the host-sync-free CUDA kernels of pcppass.sync.rows_cuda; reference: plain ops")
     opt("--no-gather-hidden", True, dest="gather_hidden", action="store_false",
         help="do not all-gather the final hidden rows in sharded steps")
     opt("--cuda-graph", False, action="store_true", help="also capture each step in a CUDA graph and replay it")

@@ -58,7 +58,7 @@ ON_UNCOVERED: tuple[OnUncovered, ...] = ("raise", "replicate", "unsafe_ignore")
 _SOURCE_MODULES = (
     "pcppass.analysis.classify", "pcppass.analysis.defuse", "pcppass.analysis.recipes",
     "pcppass.analysis.records", "pcppass.analysis.schema", "pcppass.analysis.state_writes",
-    "pcppass.analysis.views", "pcppass.checks", "pcppass.kernels.rerun_context", "pcppass.kernels.rows",
+    "pcppass.analysis.views", "pcppass.checks", "pcppass.sync.rerun_context", "pcppass.sync.rows",
     "pcppass.registry", "pcppass.rewrite.insert",
     "pcppass.rewrite.overlap", "pcppass.rewrite.peer_store",
     "pcppass.rewrite.plan", "pcppass.rewrite.rebinding", "pcppass.rewrite.slot_checks", "pcppass.rewrite.stage",

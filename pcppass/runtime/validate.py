@@ -25,8 +25,8 @@ import torch
 import torch.fx
 
 from pcppass.errors import PcpInputError
-from pcppass.runtime.device_checks import is_slot_tensor
-from pcppass.runtime.stats import SYNC_COUNTERS
+from pcppass.sync.device_checks import is_slot_tensor
+from pcppass.sync.stats import SYNC_COUNTERS
 from pcppass.rewrite.plan import ContextRef, SyncPlan
 
 
@@ -284,10 +284,10 @@ def slot_check_verdict(gathered: torch.Tensor, slots: list[torch.Tensor], labels
     """Raise on every rank if any rank's record shows a problem; else ``slots`` (copies). With
     ``caches`` (one per slot mapping, rows addressed through the i-th of ``layouts``, written by
     the site on line i of ``sites``), the records carry every rank's slots, and a row (or bytes
-    of one buffer) two ranks would write is refused too (:mod:`pcppass.kernels.owners`)."""
+    of one buffer) two ranks would write is refused too (:mod:`pcppass.sync.owners`)."""
     from pcppass.errors import PcpSyncError
-    from pcppass.kernels.owners import Written, find_problems
-    from pcppass.kernels.rows import decode_layouts
+    from pcppass.sync.owners import Written, find_problems
+    from pcppass.sync.rows import decode_layouts
 
     n = len(slots)
     world = gathered.numel() // (3 * n + (sum(s.numel() for s in slots) if caches else 0))

@@ -194,7 +194,7 @@ class DeviceSlotChecks:
         return cls(ranges, validator.symbols.evaluate)
 
     def __call__(self, args: Sequence[Any]) -> None:
-        from pcppass.kernels import row_kernels
+        from pcppass.sync import row_kernels
 
         checks = []
         for rng in self.ranges:
