@@ -56,8 +56,7 @@ from pcppass.errors import PcpSyncError
 from pcppass.rewrite.insert import Schedule, SyncRewrite
 from pcppass.rewrite.peer_store import TRANSPORTS, transports_of
 from pcppass.rewrite.sync_pass import Mode, OnUncovered, PcpSyncPass
-from pcppass.sync import device_checks
-from pcppass.sync.device_checks import DeviceSlotChecks
+from pcppass.sync.input_checks import DeviceSlotChecks, checking
 from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
 from pcppass.sync.fingerprint import exchange_fingerprint
 from pcppass.runtime.liveness import watch_peers
@@ -221,7 +220,7 @@ class PcpBackend:
         compiled = checking_state(compiled, gm, self.group, checks, rank, self.history)
         validator = InputValidator.from_plan(gm, result.plan, rank=rank) if self.checks.inputs else None
         if device is not None:  # checks on the device, raised before the next step (no host read)
-            compiled = device_checks.checking(compiled, device, validator and DeviceSlotChecks.of(validator))
+            compiled = checking(compiled, device, validator and DeviceSlotChecks.of(validator))
         elif validator is not None:
             compiled = validating(compiled, validator)
         return self._counting(fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch))

@@ -119,8 +119,8 @@ def test_computed_slot_checks_make_the_step_not_capturable(outcomes):
     for o in outcomes:
         ok, why = o["computed_on_cuda"]
         assert not ok
-        assert "pcppass::slot_check_record (pcppass.runtime.validate" in why
-        assert "pcppass::slot_check_verdict (pcppass.runtime.validate" in why
+        assert "pcppass::slot_check_record (pcppass.sync.slot_check_ops" in why
+        assert "pcppass::slot_check_verdict (pcppass.sync.slot_check_ops" in why
 
 
 def test_recorded_checks_and_transport_come_from_the_graph(outcomes):

@@ -22,7 +22,7 @@ from pcppass.analysis import find_state_writes
 from pcppass.rewrite import peer_store
 from pcppass.rewrite.insert import insert_sync
 from pcppass.rewrite.plan import plan_sync
-from pcppass.sync.device_checks import DeviceSlotChecks
+from pcppass.sync.input_checks import DeviceSlotChecks
 from pcppass.runtime.validate import InputValidator
 from test_rewrite_pass import _counts, _dynamo_graph, _inputs, step
 from sync_cases import group_name  # noqa: F401  (a fixture)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import time
 import traceback
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,25 +41,11 @@ from pcppass.runtime import capturable
 from pcppass.bench.environment import environment
 from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
 from pcppass.bench.results import save_partial
+from pcppass.bench.step_config import NOCHECKS, SHARDED, SYNCED, SYNCED_KINDS, StepBenchConfig
+from pcppass.bench.sync_micro import sync_microbench
 from pcppass.bench.timing import bare_all_gather_us, capture, time_steps, timed
 from pcppass.runtime.collectives import all_gather_single
 from pcppass.engine.attention.launch import decode_rows_per_rank
-
-#: synced variant -> (schedule, transport); ``<variant>_nochecks``: the same with every check off
-SYNCED_KINDS = {"immediate": ("immediate", "auto"), "deferred": ("deferred", "auto"),
-                "deferred_allgather": ("deferred", "allgather")}
-NOCHECKS = "_nochecks"
-VARIANTS = ("replicated", "immediate", "deferred", "deferred_allgather", "immediate_nochecks", "deferred_nochecks",
-            "deferred_allgather_nochecks", "nosync")
-DEFAULT_VARIANTS = ("replicated", "immediate", "deferred", "nosync")
-SYNCED = tuple(v for v in VARIANTS if v not in ("replicated", "nosync"))
-SHARDED = SYNCED + ("nosync",)
-
-
-def with_checks_off(variants: tuple[str, ...]) -> tuple[str, ...]:
-    """``variants`` plus the checks-off twin of each checked synced variant, in :data:`VARIANTS` order."""
-    twins = {v + NOCHECKS for v in variants if v in SYNCED_KINDS}
-    return tuple(v for v in VARIANTS if v in variants or v in twins)
 
 
 def checks_off() -> Any:
@@ -77,36 +63,6 @@ def model_specs(models: tuple[str, ...], layers: tuple[int, ...]) -> list[tuple[
         name, _, count = spec.partition(":")
         out += [(name, int(count))] if count else [(name, n) for n in layers]
     return out
-
-
-@dataclass(frozen=True)
-class StepBenchConfig:
-    models: tuple[str, ...] = ("deepseek_v32",)
-    size: str = "full"
-    world: int = 2
-    rows_per_rank: tuple[int, ...] = (32,)
-    contexts: tuple[int, ...] = (4096,)
-    layers: tuple[int, ...] = (2,)
-    variants: tuple[str, ...] = DEFAULT_VARIANTS
-    warmup: int = 3
-    reps: int = 20
-    smoke_steps: int = 3
-    #: "device": pcppass.sync.rows_cuda (no host reads); "reference": the plain-torch ops
-    sync_kernels: str = "device"
-    gather_hidden: bool = True
-    cuda_graph: bool = False
-    sync_microbench: bool = False
-    micro_layers: int = 61
-    micro_rows: tuple[int, ...] = (8, 32, 128)
-    micro_reference: bool = False
-    #: the cache-write ops' data-dependent value checks (host reads) during eager steps (a capture
-    #: skips them; the backend's device checks of the slot inputs run either way)
-    op_value_checks: bool = False
-    #: the caches in symmetric memory (pcppass.sync.peer), so the backend can pick peer stores
-    symmetric_caches: bool = False
-    out: str = "bench/results"
-    tag: str = ""
-    timeout_s: float = 580.0
 
 
 def configure_dynamo() -> None:
@@ -359,7 +315,6 @@ def derive(entry: dict) -> None:
 def bench_rank(rank: int, world: int, cfg: StepBenchConfig) -> dict:
     """One rank of the decode-step bench (started by :func:`pcppass.engine.launch.launch`)."""
     import pcppass.ops  # noqa: F401
-    from pcppass.bench.sync_micro import sync_microbench
     from pcppass.ops import checks
     from pcppass.sync import rows_cuda
 

@@ -7,17 +7,15 @@ docs/BENCH.md).
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from pcppass.bench.inputs import caches_equal_across_ranks
+from pcppass.bench.step_config import StepBenchConfig
 from pcppass.bench.timing import across_ranks, bare_all_gather_us, time_graph, time_steps
 from pcppass.runtime.collectives import all_gather_single
-
-if TYPE_CHECKING:
-    from pcppass.bench.step import StepBenchConfig
 
 MLA_ROW = 656  # fp8_ds_mla: 512 e4m3 + 4 fp32 tile scales + 64 bf16
 INDEXER_VALUES, INDEXER_SCALES = 128, 4

@@ -29,7 +29,7 @@ def _common(p: argparse.ArgumentParser, timeout: float) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from pcppass.bench.step import DEFAULT_VARIANTS, VARIANTS
+    from pcppass.bench.step_config import DEFAULT_VARIANTS, VARIANTS
 
     p = subparsers.add_parser(
         "bench", help="benchmark decode steps, attention kernels or serving, replicated vs decode-sharded",
@@ -125,7 +125,8 @@ def main_step(args: argparse.Namespace) -> int:
     from pcppass.bench import step_report
     from pcppass.bench.environment import default_tag, keep_multicast_off
     from pcppass.bench.results import write
-    from pcppass.bench.step import VARIANTS, StepBenchConfig, bench_rank, with_checks_off
+    from pcppass.bench.step import bench_rank
+    from pcppass.bench.step_config import VARIANTS, StepBenchConfig, with_checks_off
     from pcppass.engine.launch import launch
 
     args = argparse.Namespace(**{**STEP_DEFAULTS, **vars(args)})

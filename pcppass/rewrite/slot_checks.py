@@ -31,13 +31,12 @@ import sympy
 import torch
 import torch.fx
 
-import pcppass.runtime.validate  # noqa: F401  (registers the pcppass::slot_check_* ops)
+import pcppass.sync.slot_check_ops  # noqa: F401  (registers the pcppass::slot_check_* ops)
 from pcppass.analysis.schema import resolve_overload, written_args
 from pcppass.analysis.views import node_value
 from pcppass.errors import PcpSyncError
 from pcppass.sync.rows import encode_layout
-from pcppass.rewrite.plan import CacheSync, SyncPlan, SyncSite, storages_of, written_storages
-from pcppass.runtime.validate import num_slots_expr
+from pcppass.rewrite.plan import CacheSync, SyncPlan, SyncSite, storages_of, written_storages, num_slots_expr
 
 _c10d = torch.ops._c10d_functional
 
