@@ -67,7 +67,8 @@ def run_audit(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from pcppass.analysis.report import audit
-    from pcppass.analysis.trace import TraceError, load_target
+    from pcppass.analysis.trace import TraceError
+    from pcppass.cli.targets import load_target
 
     console = Console(file=sys.stdout, width=200)
     err = Console(file=sys.stderr)
