@@ -40,7 +40,8 @@ def main() -> None:
     from pcppass.analysis import find_state_writes
     from pcppass.rewrite.insert import insert_sync
     from pcppass.rewrite.plan import plan_sync
-    from pcppass.analysis.trace import capture_graph, load_target
+    from pcppass.analysis.trace import capture_graph
+    from pcppass.cli.targets import load_target
 
     rows = []
     for name in args.models:

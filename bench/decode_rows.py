@@ -10,10 +10,10 @@ replays, median):
 
 * DeepSeek-V3.2's indexer; its top-2048 with a row's candidates found by one program per part of
   the row (the launcher) and by the row's own program (``part=0``), their picks compared bitwise;
-* sparse MLA at every split of :data:`~pcppass.kernels.attention.launch.SPARSE_SPLITS` (error
-  against 1024 picks per split) and the split :func:`~pcppass.kernels.attention.launch.sparse_split_for`
+* sparse MLA at every split of :data:`~pcppass.engine.attention.launch.SPARSE_SPLITS` (error
+  against 1024 picks per split) and the split :func:`~pcppass.engine.attention.launch.sparse_split_for`
   picks for those rows; the three together as the launcher runs them under
-  :func:`~pcppass.kernels.attention.launch.decode_rows_per_rank` (the rows) and without it;
+  :func:`~pcppass.engine.attention.launch.decode_rows_per_rank` (the rows) and without it;
 * bf16 GQA and bf16 dense MLA (up to 32 rows: their caches grow with the rows).
 
 Writes ``<out>/decode_rows_<tag>.json`` (device, versions, date, configuration, every time),
@@ -33,7 +33,7 @@ from pcppass.bench.environment import environment
 from pcppass.bench.kernels import V32, V32Inputs, gqa_inputs, input_sets, mla_inputs, v32_input_set
 from pcppass.bench.results import pyplot, write
 from pcppass.bench.timing import time_graph
-from pcppass.kernels.attention.launch import (
+from pcppass.engine.attention.launch import (
     SPARSE_MLA_TILES,
     SPARSE_MLA_TRITON_TILES,
     SPARSE_SPLITS,
@@ -43,7 +43,7 @@ from pcppass.kernels.attention.launch import (
     mla_attention,
     sparse_tiles,
 )
-from pcppass.kernels.attention.select import SELECT_TILES, select_topk_triton
+from pcppass.engine.attention.select import SELECT_TILES, select_topk_triton
 
 DENSE_MAX_ROWS = 32
 

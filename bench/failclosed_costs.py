@@ -30,7 +30,7 @@ import torch.distributed as dist
 from pcppass.bench.environment import environment
 from pcppass.bench.results import pyplot, write
 from pcppass.engine.launch import free_port
-from pcppass.kernels import rows
+from pcppass.sync import rows
 from pcppass.runtime import state_checks
 from pcppass.spec import ResolvedLayout
 

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcppass.kernels.collectives import all_gather_single
+from pcppass.runtime.collectives import all_gather_single
 
 MLA_ROW = 656
 INDEXER_VALUES, INDEXER_SCALES = 128, 4
@@ -131,8 +131,8 @@ class Layers:
     rank's ``rows`` slots (the last one padding)."""
 
     def __init__(self, layers: int, rows: int, rank: int, world: int):
-        from pcppass.kernels.rows import encode_layout
-        from pcppass.runtime.peer import symmetric_empty
+        from pcppass.sync.rows import encode_layout
+        from pcppass.sync.peer import symmetric_empty
         from pcppass.spec import ResolvedLayout
 
         nb = 2 + world * rows
@@ -168,7 +168,7 @@ class Layers:
 
     def write_own_rows(self, seed: int) -> None:
         """Fresh bytes in this rank's rows (different on every rank), as an owner's op writes."""
-        from pcppass.kernels.rows import write_rows
+        from pcppass.sync.rows import write_rows
 
         own = self.slots[self.slots >= 0]
         gen = torch.Generator(device="cuda")
@@ -213,7 +213,7 @@ def peer_sync(layers: Layers, group: str, checks: bool) -> Callable[[], None]:
 def check_replicas(layers: Layers, graph: torch.cuda.CUDAGraph, seed: int) -> tuple[bool, str]:
     """Fresh own rows, one replay, then: every cache equal on every rank, device status clean."""
     from pcppass.bench.inputs import caches_equal_across_ranks
-    from pcppass.runtime import device_checks
+    from pcppass.sync import device_checks
 
     layers.write_own_rows(seed)
     graph.replay()
@@ -227,8 +227,8 @@ def check_replicas(layers: Layers, graph: torch.cuda.CUDAGraph, seed: int) -> tu
 
 
 def sync_rank(rank: int, world: int, cfg: Config) -> dict:
-    import pcppass.kernels.peer_store  # noqa: F401  (registers pcppass::sync_peer_store)
-    import pcppass.kernels.rows_cuda  # noqa: F401  (registers the CUDA sync kernels)
+    import pcppass.sync.peer_store  # noqa: F401  (registers pcppass::sync_peer_store)
+    import pcppass.sync.rows_cuda  # noqa: F401  (registers the CUDA sync kernels)
     from pcppass.bench.environment import environment
 
     group = dist.group.WORLD.group_name
@@ -333,8 +333,8 @@ def decode_steps(rank: int, world: int, cfg: Config) -> dict:
     from pcppass import PcpBackend, SyncChecks
     from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
     from pcppass.models import build_model
-    from pcppass.runtime import device_checks
-    from pcppass.runtime.peer import symmetric_empty
+    from pcppass.sync import device_checks
+    from pcppass.sync.peer import symmetric_empty
 
     results: dict[str, Any] = {}
     for name in cfg.models:

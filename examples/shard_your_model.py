@@ -19,7 +19,7 @@ from torch import nn
 
 import pcppass
 from pcppass.engine import CacheGroupSpec, CacheSpec, Engine, RequestSpec
-from pcppass.engine.contract import slot_key, table_key
+from pcppass.contract import slot_key, table_key
 from pcppass.engine.launch import launch
 
 BLOCK = 4

@@ -1,4 +1,4 @@
-"""Reference models that follow :mod:`pcppass.engine.contract` and contain the hard cache writes.
+"""Reference models that follow :mod:`pcppass.contract` and contain the hard cache writes.
 
 * ``llama``: GQA, ``reshape_and_cache_flash`` (``kv_cache_dtype`` "auto" / "fp8").
 * ``deepseek_v2``: DeepSeek-V2-Lite MLA, ``concat_and_cache_mla`` ("auto" / "fp8_ds_mla").

@@ -1,12 +1,12 @@
 """Pieces shared by the reference models: norms, RoPE tables, paged cache readers, attention.
 
-Every model here follows :mod:`pcppass.engine.contract`: attention reads K/V only through the paged
+Every model here follows :mod:`pcppass.contract`: attention reads K/V only through the paged
 caches (for prefill and decode alike), so a rank's output depends on nothing but its cache replica.
 A row ``t`` of a step belongs to request ``token_to_req[t]``; its block table row in group ``g`` is
 ``meta["block_table.<g>"][meta["token_to_req"]][t]``, and it sees the positions ``<= positions[t]``.
 
-Normalisation, RoPE and the fp8 encoders / decoders come from :mod:`pcppass.kernels.math` and
-:mod:`pcppass.kernels.quant`, the same functions the fused cache-write ops use, so the models'
+Normalisation, RoPE and the fp8 encoders / decoders come from :mod:`pcppass.ops.math` and
+:mod:`pcppass.ops.quant`, the same functions the fused cache-write ops use, so the models'
 no-cache reference paths (``reference_forward``) replay exactly the rounding of the cached paths.
 """
 
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import pcppass.kernels  # noqa: F401  (registers torch.ops.pcppass.*)
-import pcppass.kernels.attention  # noqa: F401  (registers the paged attention ops of the CUDA paths)
-from pcppass.engine.contract import (
+import pcppass.ops  # noqa: F401  (registers torch.ops.pcppass.*)
+import pcppass.engine.attention  # noqa: F401  (registers the paged attention ops of the CUDA paths)
+from pcppass.contract import (
     IS_PADDING,
     QUERY_START_LOC,
     TOKEN_TO_REQ,
@@ -30,8 +30,8 @@ from pcppass.engine.contract import (
     CacheSpec,
     table_key,
 )
-from pcppass.kernels.math import layer_norm, rms_norm, rope
-from pcppass.kernels.quant import bytes_float32, dequant_fp8, encode_indexer_rows, split_indexer_cache
+from pcppass.ops.math import layer_norm, rms_norm, rope
+from pcppass.ops.quant import bytes_float32, dequant_fp8, encode_indexer_rows, split_indexer_cache
 
 __all__ = [
     "DecoderLayer",
@@ -251,7 +251,7 @@ def force_paged_kernels(enabled: bool) -> Iterator[None]:
 def paged_rows(meta: dict[str, torch.Tensor], group: str, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """What the paged attention kernels read of a step, in their argument order: ``group``'s block
     table (one row per local request), ``positions``, ``token_to_req``, ``query_start_loc``,
-    ``is_padding`` (see :mod:`pcppass.kernels.attention.ops`)."""
+    ``is_padding`` (see :mod:`pcppass.engine.attention.ops`)."""
     return meta[table_key(group)], positions, meta[TOKEN_TO_REQ], meta[QUERY_START_LOC], meta[IS_PADDING]
 
 

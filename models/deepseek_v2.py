@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pcppass.engine.contract import CacheGroupSpec, CacheSpec, slot_key
-from pcppass.kernels.quant import decode_ds_mla_rows, ds_mla_row_bytes, encode_ds_mla_rows
+from pcppass.contract import CacheGroupSpec, CacheSpec, slot_key
+from pcppass.ops.quant import decode_ds_mla_rows, ds_mla_row_bytes, encode_ds_mla_rows
 from pcppass.models.common import (
     DecoderLayer,
     ModelDims,

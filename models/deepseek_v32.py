@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pcppass.engine.contract import CacheGroupSpec, CacheSpec, slot_key
-from pcppass.kernels.math import layer_norm, rms_norm
-from pcppass.kernels.quant import encode_ds_mla_rows, indexer_token_bytes, quantize_indexer_query
+from pcppass.contract import CacheGroupSpec, CacheSpec, slot_key
+from pcppass.ops.math import layer_norm, rms_norm
+from pcppass.ops.quant import encode_ds_mla_rows, indexer_token_bytes, quantize_indexer_query
 from pcppass.models.common import (
     DecoderLayer,
     LayerNorm,

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pcppass.engine.contract import CacheGroupSpec, CacheSpec, slot_key
-from pcppass.kernels.deepseek_v4 import pool_group
-from pcppass.kernels.math import rms_norm
-from pcppass.kernels.quant import indexer_token_bytes
+from pcppass.contract import CacheGroupSpec, CacheSpec, slot_key
+from pcppass.ops.deepseek_v4 import pool_group
+from pcppass.ops.math import rms_norm
+from pcppass.ops.quant import indexer_token_bytes
 from pcppass.models.common import (
     DecoderLayer,
     ModelDims,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pcppass.engine.contract import CacheGroupSpec, CacheSpec, slot_key
-from pcppass.kernels.quant import dequant_fp8, quantize_e4m3
+from pcppass.contract import CacheGroupSpec, CacheSpec, slot_key
+from pcppass.ops.quant import dequant_fp8, quantize_e4m3
 from pcppass.models.common import (
     DecoderLayer,
     ModelDims,

@@ -9,8 +9,7 @@ with :class:`PcpCoverageError` when a write is not covered. See ``docs/DESIGN.md
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from pcppass.version import __version__
 from pcppass.registry import HandleEffect, register_pattern, register_resolver, unregister_pattern
 from pcppass.spec import (
     ByArgValue, BlockSplit, CacheRole, ContextCache, IndexedDim, PagedRows, Recipe, Reviewed, WritePattern,

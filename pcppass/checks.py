@@ -11,7 +11,7 @@ class SyncChecks:
 
     On CUDA the per-step checks (``inputs``, ``header``, ``slot_conflicts``) run on the device,
     inside the captured step, and leave a status word the next step reads without a host sync
-    (``pcppass.runtime.device_checks``): measured on 2x H200 they add 1-10 us per decode step
+    (``pcppass.sync.device_checks``): measured on 2x H200 they add 1-10 us per decode step
     (<= 0.4%, docs/BENCH.md). On CPU they run on the host. ``state_digest`` reads the state on the
     host and is skipped while a CUDA graph is captured; ``rebinding`` and ``liveness`` are host
     only and off the step's path."""

@@ -17,7 +17,7 @@ partitioned prefill breaks that, and no graph analysis can see it, so pcppass ne
    earlier compiles (``sharded_only``);
 3. checks that every rank rewrote the same graph for the same input shapes (fingerprints
    through the c10d store, with a timeout), on the host has the graph's all-gathers waited for
-   through the liveness watch (:mod:`pcppass.kernels.collectives`), hands the graph to the inner
+   through the liveness watch (:mod:`pcppass.runtime.collectives`), hands the graph to the inner
    compiler (Inductor, aot_eager or eager) and wraps the compiled step with input validation
    (:mod:`pcppass.runtime.validate`), the state rebinding check and the cross-rank state digest
    check (:mod:`pcppass.runtime.state_checks`);
@@ -49,17 +49,16 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-import pcppass.kernels.collectives  # noqa: F401  (registers pcppass::all_gather_start / _wait)
+import pcppass.runtime.collectives  # noqa: F401  (registers pcppass::all_gather_start / _wait)
 from pcppass.analysis import StateWrite
 from pcppass.checks import SyncChecks
 from pcppass.errors import PcpSyncError
 from pcppass.rewrite.insert import Schedule, SyncRewrite
 from pcppass.rewrite.peer_store import TRANSPORTS, transports_of
 from pcppass.rewrite.sync_pass import Mode, OnUncovered, PcpSyncPass
-from pcppass.runtime import device_checks
-from pcppass.runtime.device_checks import DeviceSlotChecks
+from pcppass.sync.input_checks import DeviceSlotChecks, checking
 from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
-from pcppass.runtime.fingerprint import exchange_fingerprint
+from pcppass.sync.fingerprint import exchange_fingerprint
 from pcppass.runtime.liveness import watch_peers
 from pcppass.runtime.state_checks import StepHistory, checking_state
 from pcppass.runtime.validate import InputValidator, validating
@@ -221,7 +220,7 @@ class PcpBackend:
         compiled = checking_state(compiled, gm, self.group, checks, rank, self.history)
         validator = InputValidator.from_plan(gm, result.plan, rank=rank) if self.checks.inputs else None
         if device is not None:  # checks on the device, raised before the next step (no host read)
-            compiled = device_checks.checking(compiled, device, validator and DeviceSlotChecks.of(validator))
+            compiled = checking(compiled, device, validator and DeviceSlotChecks.of(validator))
         elif validator is not None:
             compiled = validating(compiled, validator)
         return self._counting(fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch))
@@ -315,7 +314,7 @@ def _cuda_device(example_inputs: Sequence[Any]) -> torch.device | None:
 def watch_host_collectives(gm: torch.fx.GraphModule) -> int:
     """Swap every functional all-gather of a host (gloo) graph, and the ``wait_tensor`` of its
     result, for ``pcppass::all_gather_start`` / ``pcppass::all_gather_wait``
-    (:mod:`pcppass.kernels.collectives`: the same collective, started and waited for where the
+    (:mod:`pcppass.runtime.collectives`: the same collective, started and waited for where the
     graph does, whose wait ends with an error once the liveness watch declares a peer dead, where
     gloo's own ends only at the process-group timeout). Done after the fingerprint and the
     collective count, which name the functional ops. Returns how many were swapped."""

@@ -43,7 +43,7 @@ from pcppass.errors import PcpSyncError
 from pcppass.rewrite.insert import Schedule
 from pcppass.runtime.capturable import capturable
 from pcppass.runtime.failstop import group_rank
-from pcppass.runtime.stats import SYNC_COUNTERS
+from pcppass.sync.stats import SYNC_COUNTERS
 from pcppass.step import ShardedStep, run_graph
 
 #: rows of the all-padding step that compiles both graphs before the first real step

@@ -106,7 +106,7 @@ class Reviewed:
                 f"{installed or 'none'}: review the op again for this release")
 
 
-#: The resolved layout kinds the replica sync can copy (:mod:`pcppass.kernels.rows`).
+#: The resolved layout kinds the replica sync can copy (:mod:`pcppass.sync.rows`).
 SYNC_LAYOUT_KINDS = frozenset({"paged_rows", "block_split", "indexed_dim"})
 
 

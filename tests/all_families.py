@@ -1,6 +1,6 @@
 """A small model that writes through every write family pcppass covers, for property tests.
 
-``AllFamiliesLM`` follows :mod:`pcppass.engine.contract` (``forward(input_ids, positions, meta,
+``AllFamiliesLM`` follows :mod:`pcppass.contract` (``forward(input_ids, positions, meta,
 caches)``). Each step it writes, from per-row features of ``input_ids`` and ``positions`` (elementwise
 only, so a row's bytes never depend on which other rows share its batch):
 
@@ -40,10 +40,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import pcppass.kernels  # noqa: F401  (registers torch.ops.pcppass.*)
-from pcppass.engine.contract import CacheGroupSpec, slot_key, table_key
+import pcppass.ops  # noqa: F401  (registers torch.ops.pcppass.*)
+from pcppass.contract import CacheGroupSpec, slot_key, table_key
 from pcppass.engine.runner import tensor_digest
-from pcppass.kernels.quant import ds_mla_row_bytes, indexer_token_bytes
+from pcppass.ops.quant import ds_mla_row_bytes, indexer_token_bytes
 
 VOCAB, FEATURES = 64, 256
 #: most positions one request reaches in a scenario, and most one step adds to one request

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pcppass.kernels.attention.launch import StepRows
-from pcppass.kernels.quant import decode_ds_mla_rows, dequant_fp8, encode_ds_mla_rows, encode_indexer_rows
+from pcppass.engine.attention.launch import StepRows
+from pcppass.ops.quant import decode_ds_mla_rows, dequant_fp8, encode_ds_mla_rows, encode_indexer_rows
 from pcppass.models.common import (
     attend,
     causal_full_rows,

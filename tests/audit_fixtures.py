@@ -96,7 +96,7 @@ def _eager_bookkeeping(cache: torch.Tensor) -> None:
 
 
 def eager_write_model():
-    import pcppass.kernels  # noqa: F401
+    import pcppass.ops  # noqa: F401
 
     x, slots, caches = _step()
     caches["k"] = torch.zeros(4, 4, 1, 8)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-import pcppass.kernels  # noqa: F401  (registers the ops)
+import pcppass.ops  # noqa: F401  (registers the ops)
 
 OPS = {
     "reshape_and_cache_flash": torch.ops.pcppass.reshape_and_cache_flash,

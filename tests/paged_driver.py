@@ -1,5 +1,5 @@
 """A minimal single-rank paged driver for model tests: caches from ``cache_specs()``, blocks per
-group, slots from ``CacheGroupSpec.slot``, and the step meta of :mod:`pcppass.engine.contract`.
+group, slots from ``CacheGroupSpec.slot``, and the step meta of :mod:`pcppass.contract`.
 
 Blocks are handed out in a seeded random order, so a model that confuses logical and physical
 block numbers (or one group's table with another's) reads the wrong rows and fails its test.
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pcppass.engine.contract import CacheGroupSpec, slot_key, table_key
+from pcppass.contract import CacheGroupSpec, slot_key, table_key
 
 
 @dataclass(eq=False)  # identity: two requests with the same tokens are still two requests

@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import KernelInterface
 
-from pcppass.kernels.attention import launch
+from pcppass.engine.attention import launch
 
 SM90 = GPUTarget("cuda", 90, 32)
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -163,7 +163,7 @@ def decode_step(rows: int = 2, context: int = 4096, block_size: int = 64):
 def mla_inputs(ds_mla: bool, heads: int = 16) -> tuple:
     """(q_lat, q_pe, cache, step) of MLA decode on the CPU (512 + 64 dims; DeepSeek-V2's 16 heads,
     or V3.2's 128), over a bf16 or fp8_ds_mla cache."""
-    from pcppass.kernels.quant import encode_ds_mla_rows
+    from pcppass.ops.quant import encode_ds_mla_rows
 
     step, blocks = decode_step()
     q_lat = torch.randn(2, heads, 512, dtype=torch.bfloat16)

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from pcppass.engine.launch import free_port
-from pcppass.kernels import row_kernels
-from pcppass.kernels.rows import encode_layout, read_rows, write_rows
-from pcppass.runtime import device_checks
+from pcppass.sync import row_kernels
+from pcppass.sync.rows import encode_layout, read_rows, write_rows
+from pcppass.sync import device_checks
 from pcppass.spec import ResolvedLayout
 
 

@@ -22,7 +22,7 @@ import torch.fx
 import torch.utils.checkpoint
 from torch.testing._internal.two_tensor import TwoTensor
 
-import pcppass.kernels  # noqa: F401  (registers the pcppass ops)
+import pcppass.ops  # noqa: F401  (registers the pcppass ops)
 from pcppass.analysis import Uncovered, find_state_writes
 from pcppass.analysis.dynamic import dynamic_audit
 from pcppass.analysis.trace import StepInputs, capture_graph

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pcppass.analysis import find_state_writes
-from pcppass.analysis.trace import capture_graph, load_target
+from pcppass.analysis.trace import capture_graph
+from pcppass.cli.targets import load_target
 
 #: writes per layer by op, per model (the families the brief requires in each model)
 OPS_PER_LAYER = {

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-import pcppass.kernels  # noqa: F401  (registers the pcppass ops)
+import pcppass.ops  # noqa: F401  (registers the pcppass ops)
 from pcppass.analysis import Uncovered, find_state_writes
 from pcppass.analysis.trace import StepInputs, capture_graph
 from pcppass.registry import register_pattern, unregister_pattern

@@ -34,7 +34,7 @@ def rel_err(out, ref, live):
 @pytest.mark.parametrize("segments", [DECODE, PREFILL], ids=["decode", "prefill"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gqa(segments, fp8):
-    from pcppass.kernels.attention.launch import gqa_attention
+    from pcppass.engine.attention.launch import gqa_attention
 
     step = make_step(segments, 3, 64, 72, device="cuda")
     t = step.rows.positions.shape[0]
@@ -54,7 +54,7 @@ def test_gqa_fp8_queries_far_outside_float16():
     """fp8 GQA decode runs float16 dots, each query lane scaled by a power of two into float16's
     range: bf16 queries 2^24 and 2^-40 times larger (the scale on the scores divides it back)
     give the very bytes of unit queries."""
-    from pcppass.kernels.attention.launch import gqa_attention
+    from pcppass.engine.attention.launch import gqa_attention
 
     step = make_step(DECODE, 3, 64, 72, device="cuda")
     t = step.rows.positions.shape[0]
@@ -71,7 +71,7 @@ def test_gqa_fp8_queries_far_outside_float16():
 @pytest.mark.parametrize("segments", [DECODE, PREFILL], ids=["decode", "prefill"])
 @pytest.mark.parametrize("ds_mla", [False, True])
 def test_mla_dense(segments, ds_mla):
-    from pcppass.kernels.attention.launch import mla_attention
+    from pcppass.engine.attention.launch import mla_attention
 
     step = make_step(segments, 3, 64, 72, device="cuda")
     t = step.rows.positions.shape[0]
@@ -89,8 +89,8 @@ def test_v32_indexer_topk_sparse_mla(e4m3_query):
     about 14 bits before their float32 sum, as DeepSeek's own fp8 indexer kernel runs); the
     top-2048 is the set the reference's stable sort picks from the same scores; sparse MLA over it
     matches the reference."""
-    from pcppass.kernels.attention.launch import indexer_scores, mla_attention, select_topk
-    from pcppass.kernels.quant import quantize_indexer_query
+    from pcppass.engine.attention.launch import indexer_scores, mla_attention, select_topk
+    from pcppass.ops.quant import quantize_indexer_query
 
     step = make_step(DECODE, 2, 64, 72, device="cuda")
     t = step.rows.positions.shape[0]
@@ -126,7 +126,7 @@ def test_sparse_mla_split_for_the_deployments_rows(rows_per_rank):
     """Sparse MLA launched for 4 / 8 / 16 / 32 decode rows per rank (128 / 256 / 512 / 1024 picks
     per split on an H200) matches the reference; under one setting a row's bytes are the same
     alone and among the step's other rows (the split follows the setting, never the step)."""
-    from pcppass.kernels.attention.launch import StepRows, decode_rows_per_rank, mla_attention, sparse_tiles
+    from pcppass.engine.attention.launch import StepRows, decode_rows_per_rank, mla_attention, sparse_tiles
 
     step = make_step([(1, 2900 + 301 * i) for i in range(6)], 0, 64, 80, device="cuda")
     t = step.rows.positions.shape[0]
@@ -155,7 +155,7 @@ def test_fp8_ds_mla_dequantized_tiles(sparse):
     dot per key tile) match the reference, dense (16 heads) and sparse (128 heads, 2048 picks)."""
     from dataclasses import replace
 
-    from pcppass.kernels.attention.launch import MLA_FP8_TILES, SPARSE_MLA_TILES, mla_attention
+    from pcppass.engine.attention.launch import MLA_FP8_TILES, SPARSE_MLA_TILES, mla_attention
 
     step = make_step([(1, 2900 + 301 * i) for i in range(6)], 0, 64, 80, device="cuda")
     t, heads = step.rows.positions.shape[0], 128 if sparse else 16
@@ -177,7 +177,7 @@ def test_fp8_ds_mla_dequantized_tiles(sparse):
 def test_rows_do_not_depend_on_their_step_and_graph_replays_match():
     """Row 0 alone and among 63 other rows: the same bytes (fixed split sizes); a captured CUDA
     graph's replay gives the eager bytes."""
-    from pcppass.kernels.attention.launch import StepRows, gqa_attention, mla_attention
+    from pcppass.engine.attention.launch import StepRows, gqa_attention, mla_attention
 
     many = make_step([(1, 3000 + 37 * i) for i in range(64)], 0, 64, 90, device="cuda")
     r = many.rows

@@ -27,7 +27,7 @@ SCALE = 0.07
 def v32_cache(step, magnitudes: torch.Tensor) -> torch.Tensor:
     """fp8_ds_mla rows of random latents, key ``n``'s latent and RoPE values times ``magnitudes[n]``
     (float32), so its tile scales are too."""
-    from pcppass.kernels.quant import encode_ds_mla_rows
+    from pcppass.ops.quant import encode_ds_mla_rows
 
     g = torch.Generator(device="cuda").manual_seed(11)
     kv = torch.randn(step.num_blocks * step.block_size, LATENT + ROPE, device="cuda", generator=g)
@@ -39,7 +39,7 @@ def scaled_cache(step, small_keys_win: bool) -> torch.Tensor:
     """fp8_ds_mla rows of keys whose magnitudes are 2^-11..2^0 at random (inside every 64-key
     block), times 2^20 or 2^-20 by block (tiles 2^40 apart); with ``small_keys_win`` the large
     keys are negative, so queries of positive values give them no weight."""
-    from pcppass.kernels.quant import encode_ds_mla_rows
+    from pcppass.ops.quant import encode_ds_mla_rows
 
     g = torch.Generator(device="cuda").manual_seed(9)
     n = step.num_blocks * 64
@@ -55,7 +55,7 @@ def scaled_cache(step, small_keys_win: bool) -> torch.Tensor:
 def float32_reference(step, q_lat, q_pe, cache, index) -> torch.Tensor:
     """``softmax(q_lat . kv + q_pe . k_pe) @ kv`` over the picks in float32, the cache's values
     decoded exactly (no bf16 rounding of the dequantised latents)."""
-    from pcppass.kernels.quant import decode_ds_mla_rows
+    from pcppass.ops.quant import decode_ds_mla_rows
 
     rows, valid = step.gathered(cache, index)
     kv_c, k_pe = decode_ds_mla_rows(rows, LATENT, ROPE)
@@ -85,7 +85,7 @@ def picks(step, unused_every: int = 0, k: int = TOPK) -> torch.Tensor:
 
 def both_kernels(q_lat, q_pe, cache, step, index, rows_per_rank=None):
     """(Gluon output, Triton output) of the launcher's sparse MLA."""
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     assert launch.gluon_sparse_fits(q_lat, q_pe, cache, True)
     with launch.decode_rows_per_rank(rows_per_rank):
@@ -162,7 +162,7 @@ def test_sparse_mla_gluon_powers_of_two_give_the_same_bytes():
     """Queries 2^24 and 2^-40 times larger with the scale divided back, and a cache whose values
     are 2^24 or 2^-24 times larger with the queries divided back: the very bytes (times the
     cache's factor), since every unit the kernel picks is a power of two."""
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     step = make_step([(1, 3500 + 11 * i) for i in range(3)], 0, 64, 64, device="cuda")
     n = step.num_blocks * 64
@@ -185,7 +185,7 @@ def test_sparse_mla_gluon_powers_of_two_give_the_same_bytes():
 def test_sparse_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_match():
     """Row 0 alone and among 40 others: the same bytes; a CUDA-graph replay gives the eager bytes;
     a row whose picks are all unused gives zeros."""
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     many = make_step([(1, 2500 + 53 * i) for i in range(41)], 0, 64, 80, device="cuda")
     r = many.rows
@@ -215,14 +215,14 @@ def test_sparse_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_mat
 def dense_tiles():
     """The launcher's dense fp8_ds_mla launch shape (on Hopper: the warp-specialised
     ``gluon_kernels.dense_mla_kernel``)."""
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     return launch.MLA_FP8_TILES
 
 
 def dense_kernels(q_lat, q_pe, cache, step, tiles):
     """(Gluon output, Triton output) of dense fp8_ds_mla MLA."""
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     schedule = launch.tile_schedule(step.rows.query_start_loc, q_lat.shape[0], 1)
     assert launch.gluon_dense_fits(q_lat, q_pe, cache, True, schedule)
@@ -279,7 +279,7 @@ def test_dense_mla_gluon_blocks_of_16_padded_rows_and_poisoned_dead_keys(dense_t
     kernel's copy every row no query may see filled with 0xFF (NaN codes, scales and RoPE values):
     the very bytes of the clean, unpadded cache's output (the dead keys are copied, then masked),
     within 1e-2 of the float32 reference."""
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     step = make_step([(1, 3000 + 301 * i) for i in range(5)] + [(1, 700), (1, 0)], 1, 16, 270, device="cuda")
     clean = v32_cache(step, torch.ones(step.num_blocks * 16, device="cuda"))
@@ -340,7 +340,7 @@ def test_dense_mla_gluon_scales_across_and_inside_tiles(small_keys_win, dense_ti
 def test_dense_mla_gluon_powers_of_two_give_the_same_bytes(dense_tiles):
     """Queries 2^24 and 2^-40 times larger with the scale divided back, and caches 2^24 or 2^-24
     times larger with the queries divided back: the very bytes (times the cache's factor)."""
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     step = make_step([(1, 3500 + 11 * i) for i in range(3)], 0, 64, 64, device="cuda")
     n = step.num_blocks * 64
@@ -360,7 +360,7 @@ def test_dense_mla_gluon_powers_of_two_give_the_same_bytes(dense_tiles):
 
 def test_dense_mla_gluon_rows_do_not_depend_on_their_step_and_graph_replays_match(dense_tiles):
     """Row 0 alone and among 40 others: the same bytes; a CUDA-graph replay gives the eager bytes."""
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     many = make_step([(1, 2500 + 53 * i) for i in range(41)], 0, 64, 80, device="cuda")
     r = many.rows

@@ -1,4 +1,4 @@
-"""The paged attention kernels (pcppass.kernels.attention) against the models' reference paths, on
+"""The paged attention kernels (pcppass.engine.attention) against the models' reference paths, on
 CPU tensors under ``TRITON_INTERPRET=1`` (float32, so the kernels' dots are exact float32 and only
 the summation order differs from the reference).
 
@@ -42,7 +42,7 @@ def mode(request, monkeypatch):
     """per-row programs with every key in one split, with 8-key splits, or tiles of rows."""
     from dataclasses import replace
 
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     if request.param == "row_split":
         # splits that start inside a block (6 and 3 keys, 4-key blocks; 3 is shorter than a block)
@@ -63,7 +63,7 @@ def close(out, ref, live, tol=1e-5):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gqa_matches_reference(mode, table_in_registers, fp8):
-    from pcppass.kernels.attention.launch import gqa_attention
+    from pcppass.engine.attention.launch import gqa_attention
 
     step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
     g = torch.Generator().manual_seed(3)
@@ -93,7 +93,7 @@ def sparse_picks(step, g: torch.Generator, picks: int = 6) -> torch.Tensor:
 
 def check_mla_against_reference(latent: int, ds_mla: bool, sparse: bool, seed: int) -> None:
     """MLA over the shared step (4 heads, 8 RoPE dims) against the reference."""
-    from pcppass.kernels.attention.launch import mla_attention
+    from pcppass.engine.attention.launch import mla_attention
 
     rope = 8
     step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
@@ -112,7 +112,7 @@ def test_mla_matches_reference(mode, table_in_registers, ds_mla, sparse):
     """(Sparse MLA runs per row in every mode: each row has its own positions. Dense fp8_ds_mla
     rows read their codes twice per program, the scores from a load of their own, and prefill
     tiles once: the per-row modes and the tile mode run both.)"""
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     assert launch.MLA_FP8_TILES.separate_loads and not launch.MLA_PREFILL_TILES.separate_loads
 
@@ -125,7 +125,7 @@ def test_mla_dequantized_tiles_match_reference(mode, sparse, monkeypatch):
     dot and one values dot) in every mode; 256 latent dims, so two tiles with their own scales."""
     from dataclasses import replace
 
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     for name in ("MLA_FP8_TILES", "MLA_PREFILL_TILES", "SPARSE_MLA_TILES"):
         monkeypatch.setattr(launch, name, replace(getattr(launch, name), dequant_tile=True))
@@ -137,7 +137,7 @@ def table_in_registers(request, mode, monkeypatch):
     """Per-row splits with the block table loaded per key tile, or held in registers."""
     from dataclasses import replace
 
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     for name in ("GQA_TILES", "GQA_FP8_TILES", "MLA_TILES", "MLA_FP8_TILES", "SPARSE_MLA_TILES", "INDEXER_TILES"):
         monkeypatch.setattr(launch, name, replace(getattr(launch, name), table_in_registers=request.param))
@@ -148,7 +148,7 @@ def f16_dots(mode, monkeypatch):
     """fp8 GQA with float16 dots in every mode (the decode launch shape has them; tiles of rows too)."""
     from dataclasses import replace
 
-    from pcppass.kernels.attention import launch
+    from pcppass.engine.attention import launch
 
     for name in ("GQA_FP8_TILES", "GQA_PREFILL_TILES"):
         monkeypatch.setattr(launch, name, replace(getattr(launch, name), f16_dots=True))
@@ -164,7 +164,7 @@ def _fp8_gqa(step, magnitude: int, loud_head: int = 0):
     """(kernel output, reference output, largest value) of bf16 queries ``2^magnitude`` times
     larger than :func:`_queries` against fp8 caches, the scale on the scores ``2^-magnitude``
     times smaller; head 1's queries ``2^loud_head`` times larger still."""
-    from pcppass.kernels.attention.launch import gqa_attention
+    from pcppass.engine.attention.launch import gqa_attention
 
     g = torch.Generator().manual_seed(8)
     t = step.rows.positions.shape[0]
@@ -204,7 +204,7 @@ def test_fp8_gqa_with_float16_dots(mode, f16_dots):
 def test_indexer_scores_and_topk_match_reference(mode, table_in_registers):
     """Scores within float32 rounding; the top-k is exactly the reference's set, including the
     choice among tied scores (every third key is zero: its score is exactly 0 for every query)."""
-    from pcppass.kernels.attention.launch import indexer_scores, select_topk
+    from pcppass.engine.attention.launch import indexer_scores, select_topk
 
     head_dim, qbs, k = 32, 16, 8
     step = make_step(SEGMENTS, PADDING, BS, COLUMNS)
@@ -232,8 +232,8 @@ def test_indexer_e4m3_queries_match_reference(mode, table_in_registers, head_dim
     scale per token the codes of both sides meet in an fp8 dot, else (several scales, or heads
     narrower than an fp8 MMA's K) the float32 path runs over the same values; either way the
     scores are the reference's over ``codes * scale``."""
-    from pcppass.kernels.attention.launch import indexer_scores
-    from pcppass.kernels.quant import quantize_indexer_query
+    from pcppass.engine.attention.launch import indexer_scores
+    from pcppass.ops.quant import quantize_indexer_query
 
 
     step = make_step(SEGMENTS, PADDING, BS, COLUMNS)

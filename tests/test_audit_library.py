@@ -10,7 +10,8 @@ import torch
 
 import pcppass
 from pcppass.analysis import AuditReport, Uncovered, audit
-from pcppass.analysis.trace import build_builtin, capture_graph
+from pcppass.analysis.trace import capture_graph
+from pcppass.cli.targets import build_builtin
 
 import audit_fixtures
 

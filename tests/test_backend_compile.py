@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import pcppass.kernels  # noqa: F401
+import pcppass.ops  # noqa: F401
 from pcppass.compiler import PcpBackend, SyncChecks
 from pcppass.engine.launch import launch
 from pcppass.errors import PcpInputError, PcpSyncError

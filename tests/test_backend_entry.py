@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pcppass
-import pcppass.kernels  # noqa: F401
+import pcppass.ops  # noqa: F401
 from pcppass.compiler import PcpBackend
 
 

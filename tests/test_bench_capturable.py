@@ -4,7 +4,7 @@ A failed capture is not harmless: the failing op fails the step and a failed sha
 process group. So the bench asks what the backend compiled, on 2 gloo ranks with real sharded steps:
 
 * a step on the CPU is never captured; the same rewritten graphs with CUDA inputs are, since every
-  sync op in them has an enabled CUDA kernel (``pcppass.kernels.rows_cuda``) and the checks run on
+  sync op in them has an enabled CUDA kernel (``pcppass.sync.rows_cuda``) and the checks run on
   the device;
 * with those kernels switched off the reference sync ops run, which read the device on the host:
   not capturable, and the reason names them;
@@ -20,13 +20,13 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import pcppass.kernels  # noqa: F401
+import pcppass.ops  # noqa: F401
 from pcppass.bench import sync_info
 from pcppass.runtime import capturable
 from pcppass.bench.step import checks_off
 from pcppass.compiler import PcpBackend
 from pcppass.engine.launch import launch
-from pcppass.kernels import rows_cuda
+from pcppass.sync import rows_cuda
 from test_rewrite_failclosed import computed_kv_slots, kv_step
 
 NB, BS = 4, 4
@@ -112,15 +112,15 @@ def test_reference_sync_ops_make_the_step_not_capturable_and_are_named(outcomes)
         assert names == ["pcppass::sync_snapshot", "pcppass::sync_pack", "pcppass::sync_read_header",
                          "pcppass::sync_verdict", "pcppass::sync_scatter_rows_all"]
         ok, why = o["on_cuda_reference"]
-        assert not ok and "pcppass::sync_pack (pcppass.kernels.rows: reads the device on the host)" in why
+        assert not ok and "pcppass::sync_pack (pcppass.sync.rows: reads the device on the host)" in why
 
 
 def test_computed_slot_checks_make_the_step_not_capturable(outcomes):
     for o in outcomes:
         ok, why = o["computed_on_cuda"]
         assert not ok
-        assert "pcppass::slot_check_record (pcppass.runtime.validate" in why
-        assert "pcppass::slot_check_verdict (pcppass.runtime.validate" in why
+        assert "pcppass::slot_check_record (pcppass.sync.slot_check_ops" in why
+        assert "pcppass::slot_check_verdict (pcppass.sync.slot_check_ops" in why
 
 
 def test_recorded_checks_and_transport_come_from_the_graph(outcomes):

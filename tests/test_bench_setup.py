@@ -93,7 +93,8 @@ def test_step_report_from_a_recorded_entry():
 
 def test_checks_stay_on_unless_a_twin_is_asked_for():
     """Every synced variant runs checked; ``--also-checks-off`` adds a checks-off twin beside each."""
-    from pcppass.bench.step import DEFAULT_VARIANTS, model_specs, with_checks_off
+    from pcppass.bench.step import model_specs
+    from pcppass.bench.step_config import DEFAULT_VARIANTS, with_checks_off
 
     assert not any(v.endswith("_nochecks") for v in DEFAULT_VARIANTS)
     assert with_checks_off(("replicated", "deferred", "deferred_allgather", "nosync")) == (

@@ -213,7 +213,7 @@ def test_audit_shows_the_chosen_recipe_and_both_byte_counts():
     from rich.console import Console
 
     from pcppass.analysis.report import audit
-    from pcppass.cli.audit import _print_table
+    from pcppass.analysis.report import print_writes_table
 
     for exact, chosen in ((True, "rerun"), (False, "copy_rows")):
         register_resolver("ctxrerun", resolve, effect=_effect(exact), rerun=rerun, replace=True)
@@ -228,7 +228,7 @@ def test_audit_shows_the_chosen_recipe_and_both_byte_counts():
         assert all(f"recipe {chosen} (copy_rows {COPY_BYTES} B/row, rerun {RERUN_BYTES} B/row)" in r["detail"]
                    for r in rows), rows
         console = Console(record=True, width=300)
-        _print_table("toy", report.writes, console)
+        print_writes_table("toy", report.writes, console)
         table = console.export_text()
         assert table.count(f"copy_rows {COPY_BYTES}, rerun {RERUN_BYTES}") == len(LAYERS), table
         assert table.count(chosen) >= len(LAYERS), table

@@ -1,10 +1,10 @@
 """The sparse MLA split chosen for a deployment's decode rows per rank
-(pcppass.kernels.attention.launch.decode_rows_per_rank): the rule, and that the setting is scoped."""
+(pcppass.engine.attention.launch.decode_rows_per_rank): the rule, and that the setting is scoped."""
 
 import pytest
 import torch
 
-from pcppass.kernels.attention import launch
+from pcppass.engine.attention import launch
 
 
 def test_split_fills_the_sms_for_the_rows():

@@ -85,7 +85,7 @@ def sharded_with_graphs(rank: int, world: int):
 
     from pcppass.bench.inputs import caches_equal_across_ranks
     from pcppass.engine import Engine
-    from pcppass.kernels import rows_cuda
+    from pcppass.sync import rows_cuda
     from pcppass.models import build_model
     from pcppass.sharded import ShardedRunner, sharded_engine
 

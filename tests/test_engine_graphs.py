@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pcppass.checks import SyncChecks
-from pcppass.engine.contract import CacheGroupSpec
+from pcppass.contract import CacheGroupSpec
 from pcppass.engine.graphs import CapturedStep, cache_identity, decode_graph_sizes, refuse_other_inputs
 from pcppass.engine.layout import padding_step, plan_layout
 from pcppass.engine.scheduler import GlobalStep, StepRow

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pcppass.engine.launch import launch
-from pcppass.kernels.collectives import all_gather_single
+from pcppass.runtime.collectives import all_gather_single
 
 
 def _gather_ranks(rank: int, world: int, failing_rank: int):

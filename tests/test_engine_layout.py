@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from pcppass.engine.contract import (
+from pcppass.contract import (
     IS_PADDING,
     QUERY_START_LOC,
     SEQ_LENS,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from pcppass.engine.contract import CacheGroupSpec, CacheSpec, slot_key, table_key
+from pcppass.contract import CacheGroupSpec, CacheSpec, slot_key, table_key
 from pcppass.engine.launch import launch
 from pcppass.engine.layout import PlanError
 from pcppass.engine.runner import Engine, compiled_runner

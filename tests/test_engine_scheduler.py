@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pcppass.engine.allocator import BlockPool, KVCacheManager, OutOfBlocks
-from pcppass.engine.contract import NULL_BLOCK, CacheGroupSpec
+from pcppass.contract import NULL_BLOCK, CacheGroupSpec
 from pcppass.engine.scheduler import Scheduler, SchedulerConfig
 from pcppass.engine.workload import RequestSpec, WorkloadConfig, generate_workload, ngram_draft
 

@@ -11,7 +11,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from pcppass.kernels.attention import gluon_kernels
+from pcppass.engine.attention import gluon_kernels
 
 pytestmark = pytest.mark.skipif(not hasattr(gl, "bank_conflicts"), reason="needs Triton's gl.bank_conflicts (>= 3.7)")
 

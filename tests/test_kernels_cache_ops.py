@@ -18,7 +18,7 @@ from kernels_cases import (
     case_reshape_and_cache_flash,
     clone_args,
 )
-from pcppass.kernels.quant import decode_ds_mla_rows, decode_indexer_block, decode_indexer_cache
+from pcppass.ops.quant import decode_ds_mla_rows, decode_indexer_block, decode_indexer_cache
 
 ops = torch.ops.pcppass
 FLT_MIN = 1.1754943508222875e-38

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels_cases import case_compressor_save_state, clone_args, cos_sin_table, gen
-from pcppass.kernels.quant import decode_indexer_cache, split_indexer_cache
+from pcppass.ops.quant import decode_indexer_cache, split_indexer_cache
 
 ops = torch.ops.pcppass
 

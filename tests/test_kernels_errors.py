@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels_cases import CACHE_ARGS, CASES, OPS, clone_args
-from pcppass.kernels import KernelInputError
+from pcppass.ops import KernelInputError
 
 
 def set_last(name, value):

@@ -13,7 +13,7 @@ from kernels_cases import (
     cos_sin_table,
     gen,
 )
-from pcppass.kernels.math import layer_norm, rms_norm, rope
+from pcppass.ops.math import layer_norm, rms_norm, rope
 
 ops = torch.ops.pcppass
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels_cases import CACHE_ARGS, CASES, OPS, clone_args
-from pcppass.kernels import cache_ops, checks
+from pcppass.ops import cache_ops, checks
 
 MASKED = {
     "reshape_and_cache_flash": [{}, {"kv_cache_dtype": "fp8", "cache_dtype": torch.uint8},

@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 
 import pcppass
-import pcppass.kernels  # noqa: F401
+import pcppass.ops  # noqa: F401
 from pcppass.checks import SyncChecks
 from pcppass.compiler import PcpBackend
 from pcppass.engine.launch import free_port, launch
 from pcppass.errors import PcpError
-from pcppass.runtime import fingerprint
+from pcppass.sync import fingerprint
 
 NB, BS, H, D = 8, 4, 2, 8
 REQUESTS = 4

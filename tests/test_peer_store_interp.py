@@ -1,11 +1,11 @@
-"""Direct peer stores (pcppass.kernels.peer_store) under TRITON_INTERPRET=1, several ranks in one
+"""Direct peer stores (pcppass.sync.peer_store) under TRITON_INTERPRET=1, several ranks in one
 process: each simulated rank has its own caches and mailbox (CPU tensors); a rank's "peer
 addresses" are the other ranks' tensors, so the kernel's stores land there as they would over
 NVLink. The barrier runs as on the device except that ranks run one after the other: every rank
 runs its stores and barrier (phase 1; a peer's flag is set beforehand where that peer has not run
 yet), then every rank its checks (phase 2), as they would after the barrier.
 
-Checked against the reference row primitives (pcppass.kernels.rows): after one sync every rank's
+Checked against the reference row primitives (pcppass.sync.rows): after one sync every rank's
 replica equals "own rows + every other rank's rows at its slots", bitwise, for every layout kind;
 a slot two ranks wrote is zeroed on every replica and reported; an out-of-range slot is dropped
 and reported; a header that differs is reported; a peer that never arrives times out (bounded,
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from pcppass.errors import PcpSyncError
-from pcppass.kernels import peer_store, row_kernels
-from pcppass.kernels.rows import read_rows
-from pcppass.runtime import device_checks
+from pcppass.sync import peer_store, row_kernels
+from pcppass.sync.rows import read_rows
+from pcppass.sync import device_checks
 from sync_cases import (CAPACITY, ENCODED, FP, LAYOUTS, SITES, assert_replicas, cache_slots, expected_replica,
                         clean_status, interpret, make_ranks)  # noqa: F401  (fixtures)
 

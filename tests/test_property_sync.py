@@ -53,7 +53,7 @@ from all_families import (
     table_columns,
 )
 from rank_pool import RankFailure, RankPool
-from pcppass.engine.contract import slot_key
+from pcppass.contract import slot_key
 from pcppass.engine.layout import LocalStep, build_local_step, plan_layout, validate_plan
 from pcppass.engine.scheduler import GlobalStep, StepRow
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import pcppass.kernels  # noqa: F401
+import pcppass.ops  # noqa: F401
 from pcppass.checks import SyncChecks
 from pcppass.compiler import PcpBackend
 from pcppass.engine.launch import launch

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.passes.split_module import split_module
 
-import pcppass.kernels  # noqa: F401
+import pcppass.ops  # noqa: F401
 from pcppass import PcpSyncPass
 from pcppass.errors import PcpGraphStageError
 from pcppass.registry import register_pattern

@@ -22,7 +22,7 @@ from pcppass.analysis import find_state_writes
 from pcppass.rewrite import peer_store
 from pcppass.rewrite.insert import insert_sync
 from pcppass.rewrite.plan import plan_sync
-from pcppass.runtime.device_checks import DeviceSlotChecks
+from pcppass.sync.input_checks import DeviceSlotChecks
 from pcppass.runtime.validate import InputValidator
 from test_rewrite_pass import _counts, _dynamo_graph, _inputs, step
 from sync_cases import group_name  # noqa: F401  (a fixture)
@@ -82,7 +82,7 @@ def copy_then_rerun(x, slots, k_cache, v_cache, memory):
 
 
 def test_peer_stores_take_reruns_from_the_mailbox_unless_a_copy_follows_a_rerun(group_name, monkeypatch):
-    from pcppass.runtime import peer
+    from pcppass.sync import peer
 
     monkeypatch.setattr(peer, "group_refusal", lambda group: None)
     monkeypatch.setattr(peer, "cache_refusal", lambda cache: None)

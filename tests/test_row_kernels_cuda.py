@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from kernels_cases import CACHE_ARGS, CASES, OPS
 from pcppass.engine.launch import free_port
-from pcppass.kernels import rows_cuda  # noqa: F401  (registers the CUDA sync kernels)
-from pcppass.kernels.rows import encode_layout
+from pcppass.sync import rows_cuda  # noqa: F401  (registers the CUDA sync kernels)
+from pcppass.sync.rows import encode_layout
 from pcppass.spec import ResolvedLayout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

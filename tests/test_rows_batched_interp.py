@@ -1,4 +1,4 @@
-"""The one-launch sync kernels (Triton, pcppass.kernels.row_kernels) give the reference ops' bytes.
+"""The one-launch sync kernels (Triton, pcppass.sync.row_kernels) give the reference ops' bytes.
 
 The kernels run on CPU tensors under ``TRITON_INTERPRET=1`` and are compared byte for byte with the
 reference ops: ``sync_pack`` over caches of every layout kind (several caches sharing one slot
@@ -11,8 +11,8 @@ address (non-contiguous rows) falls back to the plain-torch path with the same b
 import pytest
 import torch
 
-from pcppass.kernels import row_kernels, rows_cuda
-from pcppass.kernels.rows import encode_layout
+from pcppass.sync import row_kernels, rows_cuda
+from pcppass.sync.rows import encode_layout
 from pcppass.spec import ResolvedLayout
 from sync_cases import group_name, interpret  # noqa: F401  (fixtures)
 

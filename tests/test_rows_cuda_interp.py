@@ -1,4 +1,4 @@
-"""The host-sync-free sync kernels (pcppass.kernels.rows_cuda) give the reference ops' bytes.
+"""The host-sync-free sync kernels (pcppass.sync.rows_cuda) give the reference ops' bytes.
 
 The kernels are plain torch, so they run on CPU tensors here and are compared byte for byte with
 the reference ops (which the CPU dispatch still runs). Two ranks' packed buffers are built in one
@@ -10,8 +10,8 @@ group, so rank 1's rows are the remote ones.
 import pytest
 import torch
 
-from pcppass.kernels import rows_cuda
-from pcppass.kernels.rows import encode_layout
+from pcppass.sync import rows_cuda
+from pcppass.sync.rows import encode_layout
 from pcppass.spec import ResolvedLayout
 from sync_cases import group_name  # noqa: F401  (a fixture)
 

@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import pcppass.kernels  # noqa: F401
+import pcppass.ops  # noqa: F401
 from pcppass.compiler import PcpBackend, SyncChecks
 from pcppass.engine.launch import free_port, launch
-from pcppass.runtime import fingerprint
+from pcppass.sync import fingerprint
 from pcppass.cli.run_driver import STEP_COUNT, RunConfig, RunResult, compare, rank_main, reference_run
 
 NB, BS, H, D = 8, 4, 2, 8

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-import pcppass.kernels  # noqa: F401  (torch.ops.pcppass.*)
-from pcppass.engine.contract import CacheGroupSpec, CacheSpec, slot_key, table_key
+import pcppass.ops  # noqa: F401  (torch.ops.pcppass.*)
+from pcppass.contract import CacheGroupSpec, CacheSpec, slot_key, table_key
 from pcppass.engine.launch import launch
 from pcppass.registry import register_pattern
 from pcppass.cli.run_driver import RunConfig, compare, rank_main, reference_run

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pcppass.kernels.rows as rows
+import pcppass.sync.rows as rows
 from pcppass.errors import PcpSyncError
 from pcppass.spec import BlockSplit, IndexedDim, PagedRows, ResolvedLayout
 

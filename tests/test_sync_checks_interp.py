@@ -1,6 +1,6 @@
-"""Checks of the all-gather transport done on the device (pcppass.kernels.rows_cuda with
+"""Checks of the all-gather transport done on the device (pcppass.sync.rows_cuda with
 TRITON_INTERPRET=1 on CPU tensors): no host read, errors recorded in the device status and raised
-by pcppass.runtime.device_checks, replicas identical after every error.
+by pcppass.sync.device_checks, replicas identical after every error.
 
 Two ranks are simulated in one process: both pack (the bytes the all-gather would carry), the
 buffers are concatenated as the all-gather would, and each rank's scatter runs as that rank
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pcppass.errors import PcpInputError, PcpSyncError
-from pcppass.kernels import rows_cuda
-from pcppass.kernels.rows import encode_layout
-from pcppass.runtime import device_checks
+from pcppass.sync import rows_cuda
+from pcppass.sync.rows import encode_layout
+from pcppass.sync import device_checks, input_checks
 from sync_cases import (ENCODED, FP, LAYOUTS, SITES, assert_replicas, cache_slots, expected_replica,
                         clean_status, group_name, interpret, make_ranks)  # noqa: F401  (fixtures)
 
@@ -158,12 +158,12 @@ def test_remote_slot_out_of_range_refuses_the_step(group_name, monkeypatch):
 
 
 def test_slot_inputs_checked_on_the_device_and_raised_before_the_next_step():
-    checks = device_checks.DeviceSlotChecks(
-        [device_checks.SlotRange(0, "op writing k_cache: slot mapping slots", -1, 24, rows=4),
-         device_checks.SlotRange(1, "aten index_copy_ writing buf: slot mapping idx", 0, 8)],
+    checks = input_checks.DeviceSlotChecks(
+        [input_checks.SlotRange(0, "op writing k_cache: slot mapping slots", -1, 24, rows=4),
+         input_checks.SlotRange(1, "aten index_copy_ writing buf: slot mapping idx", 0, 8)],
         lambda expr, args: expr)
     calls = []
-    step = device_checks.checking(lambda *args: calls.append(args), "cpu", checks)
+    step = input_checks.checking(lambda *args: calls.append(args), "cpu", checks)
     step(torch.tensor([3, -1, 9, 0]), torch.tensor([1, 7]))
     step(torch.tensor([3, -1, 24, 0]), torch.tensor([1, 7]))  # recorded on the device, raised next call
     with pytest.raises(PcpInputError, match="slot mapping slots holds slot 24"):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pcppass.engine.launch import launch
-from pcppass.kernels.collectives import all_gather_single
+from pcppass.runtime.collectives import all_gather_single
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -23,10 +23,10 @@ BS, NB = 16, 40
 
 
 def _setup(rank):
-    import pcppass.kernels.peer_store  # noqa: F401
-    import pcppass.kernels.rows_cuda  # noqa: F401
-    from pcppass.kernels.rows import encode_layout
-    from pcppass.runtime.peer import symmetric_empty
+    import pcppass.sync.peer_store  # noqa: F401
+    import pcppass.sync.rows_cuda  # noqa: F401
+    from pcppass.sync.rows import encode_layout
+    from pcppass.sync.peer import symmetric_empty
     from pcppass.spec import ResolvedLayout
 
     layouts = [ResolvedLayout("paged_rows", BS, 656),
@@ -43,7 +43,7 @@ def _setup(rank):
 
 
 def _fresh_rows(caches, layouts, slots, seed, rank):
-    from pcppass.kernels.rows import write_rows
+    from pcppass.sync.rows import write_rows
 
     own = slots[slots >= 0]
     gen = torch.Generator(device="cuda").manual_seed(seed * 10 + rank)
@@ -68,7 +68,7 @@ def _digest(caches):
 
 
 def _replays(rank, world):
-    from pcppass.runtime import device_checks
+    from pcppass.sync import device_checks
 
     caches, layouts, encoded = _setup(rank)
     ops, group = torch.ops.pcppass, dist.group.WORLD.group_name
@@ -115,8 +115,8 @@ def test_transports_replay_from_cuda_graphs_and_agree():
 
 
 def _conflict_and_timeout(rank, world):
-    from pcppass.kernels.rows import read_rows
-    from pcppass.runtime import device_checks, peer
+    from pcppass.sync.rows import read_rows
+    from pcppass.sync import device_checks, peer
 
     caches, layouts, encoded = _setup(rank)
     ops, group = torch.ops.pcppass, dist.group.WORLD.group_name

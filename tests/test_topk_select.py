@@ -1,4 +1,4 @@
-"""The sort-free top-k kernel (pcppass.kernels.attention.select) against the reference
+"""The sort-free top-k kernel (pcppass.engine.attention.select) against the reference
 ``launch.select_topk`` on CPU tensors under ``TRITON_INTERPRET=1``: the same tensor, bitwise, for
 random scores, heavy ties (``0.0`` and ``-0.0`` are different keys), -inf rows, rows with fewer
 visible scores than ``k``, rows shorter than ``k``, ``k = 1`` and ``k = span``, negative scores,
@@ -33,14 +33,14 @@ def interpret(monkeypatch):
 def tiny_tiles(chunk: int = 16, candidate_chunk: int = 8, sample: int = 16, part: int = 32, part_rows: int = 32):
     """Chunks of 16 keys (8 candidates), samples of 16 keys and parts of 32 positions: short rows
     span many chunks, are sampled too and narrowed by several programs (``part=0``: by one)."""
-    from pcppass.kernels.attention.select import SelectTiles
+    from pcppass.engine.attention.select import SelectTiles
 
     return SelectTiles(chunk=chunk, warps=4, sample=sample, min_chunk=16, min_warps=4,
                        candidate_chunk=candidate_chunk, part=part, part_rows=part_rows)
 
 
 def use_tiny_tiles(monkeypatch, **sizes):
-    from pcppass.kernels.attention import select
+    from pcppass.engine.attention import select
 
     monkeypatch.setattr(select, "SELECT_TILES", tiny_tiles(**sizes))
 
@@ -57,8 +57,8 @@ def tiles(request, monkeypatch):
 
 
 def check(scores: torch.Tensor, k: int) -> torch.Tensor:
-    from pcppass.kernels.attention.launch import select_topk
-    from pcppass.kernels.attention.select import select_topk_triton
+    from pcppass.engine.attention.launch import select_topk
+    from pcppass.engine.attention.select import select_topk_triton
 
     got, want = select_topk_triton(scores, k), select_topk(scores, k)
     assert got.dtype == want.dtype and got.shape == want.shape
@@ -136,7 +136,7 @@ def test_strided_rows_and_edge_sizes(tiles):
 
 def test_parts_only_in_calls_of_few_rows(monkeypatch):
     """Past ``part_rows`` rows a call narrows each row in its own program: the same picks."""
-    from pcppass.kernels.attention.select import select_topk_triton
+    from pcppass.engine.attention.select import select_topk_triton
 
     g = torch.Generator().manual_seed(10)
     scores = torch.randn(5, 300, generator=g).mul(4).round()
@@ -158,8 +158,8 @@ def test_long_row_with_the_launcher_sample():
 
 def sampled_path(row: torch.Tensor, k: int) -> str:
     """Which path the launcher's plan sends a sampled row down (the kernel's rule, in torch)."""
-    from pcppass.kernels.attention import select
-    from pcppass.kernels.attention.launch import _NEG_INF_MONOTONIC, ordered_keys
+    from pcppass.engine.attention import select
+    from pcppass.engine.attention.launch import _NEG_INF_MONOTONIC, ordered_keys
 
     length = row.shape[0]
     keys = ordered_keys(row[None])[0] >> 32
@@ -201,7 +201,7 @@ def test_sampled_bound_paths(monkeypatch, part):
 def test_property_small_shapes(data):
     """Any small row set and k, values from ties, both zeros, both infinities, denormals and
     normal floats: the reference's tensor (tiny tiles, so short rows are sampled too)."""
-    from pcppass.kernels.attention import select
+    from pcppass.engine.attention import select
 
     rows = data.draw(st.integers(1, 3), label="rows")
     span = data.draw(st.integers(0, 80), label="span")
@@ -219,7 +219,7 @@ def test_property_small_shapes(data):
 
 
 def test_bad_input_is_refused():
-    from pcppass.kernels.attention.select import select_topk_triton
+    from pcppass.engine.attention.select import select_topk_triton
 
     with pytest.raises(ValueError, match="float32"):
         select_topk_triton(torch.zeros(2, 8, dtype=torch.float16), 3)

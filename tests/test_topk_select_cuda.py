@@ -28,8 +28,8 @@ def indexer_like_scores(seed: int) -> torch.Tensor:
 
 
 def test_matches_reference_with_ties():
-    from pcppass.kernels.attention.launch import select_topk
-    from pcppass.kernels.attention.select import select_topk_triton
+    from pcppass.engine.attention.launch import select_topk
+    from pcppass.engine.attention.select import select_topk_triton
 
     for seed in (0, 1):
         scores = indexer_like_scores(seed)
@@ -41,7 +41,7 @@ def test_matches_reference_with_ties():
 
 
 def test_rows_do_not_depend_on_their_step_and_graph_replays_match():
-    from pcppass.kernels.attention.select import select_topk_triton
+    from pcppass.engine.attention.select import select_topk_triton
 
     scores = indexer_like_scores(2)
     eager = select_topk_triton(scores, K)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pcppass.integrations.vllm.context import UnsupportedLayer, kv_views
-from pcppass.kernels.rows import read_rows, write_rows
+from pcppass.sync.rows import read_rows, write_rows
 from pcppass.spec import PagedRows
 
 
@@ -86,7 +86,7 @@ def test_cpu_kernel_rows_are_the_resolver_rows(dtype, heads, head_size, block):
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN"])
 @pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "LHBNC"])
 def test_gpu_layouts_rows_are_the_resolver_rows(backend, order):
-    import pcppass.kernels  # noqa: F401  (pcppass::reshape_and_cache_flash, vLLM's semantics)
+    import pcppass.ops  # noqa: F401  (pcppass::reshape_and_cache_flash, vLLM's semantics)
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     nb, heads, block, head_size = 4, 2, 16, 32

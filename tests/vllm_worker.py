@@ -49,7 +49,7 @@ def generate(options: dict) -> dict:
     result: dict = {}
     if options["backend"] == "pcppass":
         import pcppass.integrations.vllm as integration
-        from pcppass.runtime.stats import SYNC_COUNTERS
+        from pcppass.sync.stats import SYNC_COUNTERS
 
         for name in options.get("unregister", ()):
             from pcppass.registry import unregister_pattern

@@ -22,6 +22,10 @@ from pcppass.analysis.records import StateWrite
 from pcppass.analysis.state_writes import find_state_writes
 from pcppass.analysis.trace import StepInputs, TraceError, capture_graph, contract_step_inputs
 
+#: exit codes of ``pcppass audit`` (built-in models and ``--vllm`` alike): every write covered,
+#: something uncovered (or unexplained), the model could not be loaded or traced
+EXIT_COVERED, EXIT_UNCOVERED, EXIT_ERROR = 0, 1, 2
+
 
 @dataclass
 class AuditReport:
@@ -167,3 +171,25 @@ def audit(
         if report.graph is None:
             report.writes = _unique(report.dynamic.writes)
     return report
+
+
+def print_writes_table(model: str, writes: list[StateWrite], console: Any) -> None:
+    """The audit's table of ``writes`` (one row per write: state, op, source, pattern, recipe, and
+    its bytes per row or why nothing covers it), printed on a rich ``console``."""
+    from rich.table import Table
+
+    table = Table(title=f"state writes of {model}", show_lines=False)
+    for col in ("state", "op", "source", "pattern", "recipe", "bytes/row or reason"):
+        table.add_column(col, overflow="fold")
+    for w in writes:
+        if w.covered:
+            # a read-only record says why the op only reads (e.g. the layer's attention backend);
+            # one with alternative recipes, the bytes per row of each
+            last = str(w.bytes_per_row) if w.bytes_per_row is not None else w.detail
+            if w.recipe_bytes:
+                last = ", ".join(f"{name} {n}" for name, n in w.recipe_bytes.items())
+            table.add_row(w.state, f"{w.op} ({w.arg})", w.source, w.pattern.name, w.recipe.value, last)
+        else:
+            table.add_row(w.state, f"{w.op} ({w.arg})", w.source, "-", "-",
+                          f"[red]{w.reason.value}[/red]: {w.detail}")
+    console.print(table)

@@ -6,13 +6,13 @@ the backend returns) and stops before anything runs, so full-width models traced
 device cost only the trace.
 
 :func:`contract_step_inputs` builds one decode step for a model that follows
-:mod:`pcppass.engine.contract` (caches from ``cache_specs()``, slots from ``cache_groups()``);
-:func:`load_target` resolves an audit target: a built-in model name or ``module:factory``.
+:mod:`pcppass.contract` (caches from ``cache_specs()``, slots from ``cache_groups()``).
+Resolving ``pcppass audit``'s target (a built-in model name or ``module:factory``) is the CLI's:
+:mod:`pcppass.cli.targets`.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from pcppass.analysis.state_writes import SOURCE_META_KEY, _kind_of
-from pcppass.engine.contract import (
+from pcppass.contract import (
     IS_PADDING, QUERY_START_LOC, SEQ_LENS, TOKEN_TO_REQ, slot_key, table_key,
 )
 
@@ -38,7 +38,8 @@ class StepInputs:
     dynamic: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
 
-def _contract_steps(model: torch.nn.Module) -> bool:
+def follows_model_contract(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has the contract's methods (:mod:`pcppass.contract`)."""
     return all(hasattr(model, a) for a in ("cache_groups", "cache_specs", "forward"))
 
 
@@ -143,51 +144,3 @@ def _trace_failure(exc: BaseException) -> str:
     elif "ConstraintViolation" in type(exc).__name__ or "specializ" in str(exc):
         hint = "; the model specialises the row count: keep shapes symbolic in forward"
     return f"tracing failed: {type(exc).__name__}: {head}{hint}"
-
-
-def build_builtin(name: str, size: str, device: torch.device | str, **overrides: Any) -> torch.nn.Module:
-    """A built-in model; on ``meta`` its weights are never materialised (full widths, 61 layers)."""
-    from pcppass.models import MODEL_NAMES, build_model, model_config
-
-    if name not in MODEL_NAMES:
-        raise TraceError(f"unknown model {name!r}: use one of {', '.join(MODEL_NAMES)} or module:factory")
-    if torch.device(device).type != "meta":
-        return build_model(name, size, device=device, **overrides)
-    cfg = model_config(name, size, **overrides)
-    module = importlib.import_module(type(cfg).__module__)
-    model_cls = getattr(module, type(cfg).__name__.replace("Config", "Model"))
-    with torch.device("meta"):
-        return model_cls(cfg)
-
-
-def load_target(
-    spec: str, size: str = "tiny", *, device: torch.device | str = "cpu", num_rows: int = 6,
-    **overrides: Any,
-) -> tuple[Callable[..., Any], StepInputs]:
-    """``name`` (built-in model) or ``module:factory`` -> (model, one step's inputs).
-
-    A factory returns ``(model, StepInputs)``, ``(model, args)`` or ``(model, args, kwargs)``;
-    a bare model that follows the contract gets :func:`contract_step_inputs`. ``overrides`` go to
-    a built-in model's config (e.g. ``num_layers=61``).
-    """
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise TraceError(f"cannot load factory {spec!r}: {exc}") from exc
-        made = factory()
-    else:
-        made = build_builtin(spec, size, device, **overrides)
-    if isinstance(made, torch.nn.Module):
-        if not _contract_steps(made):
-            raise TraceError(f"{spec}: a bare module must follow the model contract "
-                             f"(cache_groups, cache_specs); return (model, args) instead")
-        return made, contract_step_inputs(made, num_rows, device)
-    if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise TraceError(f"{spec} must return (model, StepInputs), (model, args) or (model, args, kwargs)")
-    model, rest = made[0], made[1:]
-    if isinstance(rest[0], StepInputs):
-        return model, rest[0]
-    args = rest[0] if isinstance(rest[0], tuple) else (rest[0],)
-    return model, StepInputs(args, rest[1] if len(rest) > 1 else {})

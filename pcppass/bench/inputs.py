@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pcppass.engine.contract import slot_key, table_key
+from pcppass.contract import slot_key, table_key
 
 
 class DecodeSetup:
@@ -28,7 +28,7 @@ class DecodeSetup:
         """Copy every cache into symmetric memory (same bytes; every rank allocates the same caches
         in the same order), so the backend can sync them with peer stores. None, or why not (the
         caches then stay where they are)."""
-        from pcppass.runtime.peer import symmetric_empty
+        from pcppass.sync.peer import symmetric_empty
 
         try:
             for name, cache in list(self.caches.items()):

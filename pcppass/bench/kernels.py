@@ -2,7 +2,7 @@
 
 ``pcppass bench kernels`` (one GPU). For decode shapes of the full-width models (``rows`` rows,
 each its own request at context ``C``, random block order), every kernel of
-:mod:`pcppass.kernels.attention` is timed from CUDA-graph replays; its **floor** is the bytes it
+:mod:`pcppass.engine.attention` is timed from CUDA-graph replays; its **floor** is the bytes it
 must read (each cache row it attends to once; queries and outputs are counted too) over the H200's
 4.8 TB/s (datasheet HBM; a device copy is measured and recorded beside it). Where one call's bytes
 would fit in L2, each replay cycles through several input sets so the caches are read from HBM.
@@ -62,7 +62,7 @@ def hbm_bandwidth(nbytes: int = 4 * 2**30) -> float:
 def decode_rows(rows: int, context: int, block_size: int, first_request: int = 0):
     """StepRows of ``rows`` decode rows at position ``context - 1``, requests with their own
     randomly ordered blocks (block 0 stays the null block)."""
-    from pcppass.kernels.attention.launch import StepRows
+    from pcppass.engine.attention.launch import StepRows
 
     cols = -(-context // block_size)
     gen = torch.Generator().manual_seed(first_request)
@@ -91,7 +91,7 @@ def gqa_inputs(rows: int, context: int, fp8: bool) -> tuple:
 
 
 def gqa_case(rows: int, context: int, fp8: bool) -> Case:
-    from pcppass.kernels.attention.launch import gqa_attention
+    from pcppass.engine.attention.launch import gqa_attention
 
     q, k, v, step, *scales = gqa_inputs(rows, context, fp8)
     heads, dim = q.shape[1], q.shape[2]
@@ -103,7 +103,7 @@ def gqa_case(rows: int, context: int, fp8: bool) -> Case:
 def mla_inputs(rows: int, context: int) -> tuple:
     """(q_lat, q_pe, step, {ds_mla: latent cache}) of DeepSeek-V2's dense MLA (16 heads, 512 + 64)
     over a bf16 and an fp8_ds_mla cache of the same rows."""
-    from pcppass.kernels.quant import encode_ds_mla_rows
+    from pcppass.ops.quant import encode_ds_mla_rows
 
     heads, latent, rope, bs = 16, 512, 64, 64
     step, blocks = decode_rows(rows, context, bs)
@@ -118,7 +118,7 @@ def mla_inputs(rows: int, context: int) -> tuple:
 def mla_cases(rows: int, context: int) -> list[Case]:
     """Dense MLA (DeepSeek-V2 widths: 16 heads) over bf16 and fp8_ds_mla latent caches; fp8_ds_mla
     twice, as the launcher runs it (the Gluon kernel on Hopper) and with the Triton kernel only."""
-    from pcppass.kernels.attention.launch import MLA_FP8_TRITON_TILES, mla_attention
+    from pcppass.engine.attention.launch import MLA_FP8_TRITON_TILES, mla_attention
 
     q_lat, q_pe, step, caches = mla_inputs(rows, context)
     heads, latent, rope = q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]
@@ -161,7 +161,7 @@ V32 = V32Widths()
 class V32Inputs:
     """One input set of the V3.2 kernels (:func:`v32_input_set`)."""
 
-    step: Any  # pcppass.kernels.attention.launch.StepRows
+    step: Any  # pcppass.engine.attention.launch.StepRows
     icache: torch.Tensor  # fp8 indexer cache, ue8m0 keys
     mcache: torch.Tensor  # fp8_ds_mla latent cache
     q: torch.Tensor  # e4m3 indexer query, its scales folded into ``w``
@@ -174,8 +174,8 @@ class V32Inputs:
 
 def v32_input_set(rows: int, context: int, index: int) -> V32Inputs:
     """Input set ``index`` of the V3.2 kernels at ``rows`` decode rows of context ``context``."""
-    from pcppass.kernels.attention.launch import indexer_scores, select_topk
-    from pcppass.kernels.quant import encode_ds_mla_rows, encode_indexer_rows, quantize_indexer_query
+    from pcppass.engine.attention.launch import indexer_scores, select_topk
+    from pcppass.ops.quant import encode_ds_mla_rows, encode_indexer_rows, quantize_indexer_query
 
     bs, dim = V32.block_size, V32.dim
     step, blocks = decode_rows(rows, context, bs, first_request=index * rows)
@@ -198,8 +198,8 @@ def v32_cases(rows: int, context: int) -> list[Case]:
     """DeepSeek-V3.2: the lightning indexer (64 heads x 128, e4m3 queries and ue8m0 keys), the top-2048 selection,
     sparse MLA over the selected rows (128 heads, fp8_ds_mla), and the three in a row; the selection
     is timed as the models run it (the Triton radix select) and as ``torch.topk`` over int64 keys."""
-    from pcppass.kernels.attention.launch import indexer_scores, mla_attention, select_topk
-    from pcppass.kernels.attention.select import select_topk_triton
+    from pcppass.engine.attention.launch import indexer_scores, mla_attention, select_topk
+    from pcppass.engine.attention.select import select_topk_triton
 
     hi, dim, topk, heads, latent, rope = V32.indexer_heads, V32.dim, V32.topk, V32.heads, V32.latent, V32.rope
     index_bytes = rows * context * (dim + 4)

@@ -258,7 +258,8 @@ def _outputs_digest(engine) -> str:
 def serve_rank(rank: int, world: int, cfg: ServeBenchConfig) -> dict:
     """One rank of the serving bench (started by :func:`pcppass.engine.launch.launch`)."""
     from pcppass.bench.step import configure_dynamo
-    from pcppass.kernels import checks, rows_cuda
+    from pcppass.ops import checks
+    from pcppass.sync import rows_cuda
     from pcppass.models import build_model
 
     configure_dynamo()

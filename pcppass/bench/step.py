@@ -16,7 +16,7 @@ Per model, in the same processes and on the same caches, every variant of one de
 Synced variants run with the backend's checks on (:class:`~pcppass.checks.SyncChecks` defaults)
 and record the checks and the transport their graphs carry (:mod:`pcppass.bench.sync_info`).
 Sharded variants also all-gather the final hidden rows, as an engine must. Each variant launches
-its attention kernels for its own rows per rank (:func:`pcppass.kernels.attention.launch.decode_rows_per_rank`:
+its attention kernels for its own rows per rank (:func:`pcppass.engine.attention.launch.decode_rows_per_rank`:
 ``N * P`` replicated, ``N`` sharded), as a deployment of either would. Before timing, a smoke
 runs a few sharded steps with moving ownership and compares every cache bitwise across ranks (and
 checks that ``nosync`` does make them differ). With ``cuda_graph`` a step is captured when
@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import time
 import traceback
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,25 +41,11 @@ from pcppass.runtime import capturable
 from pcppass.bench.environment import environment
 from pcppass.bench.inputs import DecodeSetup, caches_equal_across_ranks, owned
 from pcppass.bench.results import save_partial
+from pcppass.bench.step_config import NOCHECKS, SHARDED, SYNCED, SYNCED_KINDS, StepBenchConfig
+from pcppass.bench.sync_micro import sync_microbench
 from pcppass.bench.timing import bare_all_gather_us, capture, time_steps, timed
-from pcppass.kernels.collectives import all_gather_single
-from pcppass.kernels.attention.launch import decode_rows_per_rank
-
-#: synced variant -> (schedule, transport); ``<variant>_nochecks``: the same with every check off
-SYNCED_KINDS = {"immediate": ("immediate", "auto"), "deferred": ("deferred", "auto"),
-                "deferred_allgather": ("deferred", "allgather")}
-NOCHECKS = "_nochecks"
-VARIANTS = ("replicated", "immediate", "deferred", "deferred_allgather", "immediate_nochecks", "deferred_nochecks",
-            "deferred_allgather_nochecks", "nosync")
-DEFAULT_VARIANTS = ("replicated", "immediate", "deferred", "nosync")
-SYNCED = tuple(v for v in VARIANTS if v not in ("replicated", "nosync"))
-SHARDED = SYNCED + ("nosync",)
-
-
-def with_checks_off(variants: tuple[str, ...]) -> tuple[str, ...]:
-    """``variants`` plus the checks-off twin of each checked synced variant, in :data:`VARIANTS` order."""
-    twins = {v + NOCHECKS for v in variants if v in SYNCED_KINDS}
-    return tuple(v for v in VARIANTS if v in variants or v in twins)
+from pcppass.runtime.collectives import all_gather_single
+from pcppass.engine.attention.launch import decode_rows_per_rank
 
 
 def checks_off() -> Any:
@@ -77,36 +63,6 @@ def model_specs(models: tuple[str, ...], layers: tuple[int, ...]) -> list[tuple[
         name, _, count = spec.partition(":")
         out += [(name, int(count))] if count else [(name, n) for n in layers]
     return out
-
-
-@dataclass(frozen=True)
-class StepBenchConfig:
-    models: tuple[str, ...] = ("deepseek_v32",)
-    size: str = "full"
-    world: int = 2
-    rows_per_rank: tuple[int, ...] = (32,)
-    contexts: tuple[int, ...] = (4096,)
-    layers: tuple[int, ...] = (2,)
-    variants: tuple[str, ...] = DEFAULT_VARIANTS
-    warmup: int = 3
-    reps: int = 20
-    smoke_steps: int = 3
-    #: "device": pcppass.kernels.rows_cuda (no host reads); "reference": the plain-torch ops
-    sync_kernels: str = "device"
-    gather_hidden: bool = True
-    cuda_graph: bool = False
-    sync_microbench: bool = False
-    micro_layers: int = 61
-    micro_rows: tuple[int, ...] = (8, 32, 128)
-    micro_reference: bool = False
-    #: the cache-write ops' data-dependent value checks (host reads) during eager steps (a capture
-    #: skips them; the backend's device checks of the slot inputs run either way)
-    op_value_checks: bool = False
-    #: the caches in symmetric memory (pcppass.runtime.peer), so the backend can pick peer stores
-    symmetric_caches: bool = False
-    out: str = "bench/results"
-    tag: str = ""
-    timeout_s: float = 580.0
 
 
 def configure_dynamo() -> None:
@@ -208,7 +164,7 @@ def smoke(cfg: StepBenchConfig, world: int, call: Callable, compiled: dict, setu
           log: Callable[[str], None], name: str) -> tuple[dict, dict]:
     """Compile every variant and run the correctness smoke: sharded steps with rotating owners must
     leave every cache bitwise equal across ranks; the ``nosync`` control must make them differ."""
-    from pcppass.runtime.stats import SYNC_COUNTERS
+    from pcppass.sync.stats import SYNC_COUNTERS
 
     n0, c0 = cfg.rows_per_rank[0], cfg.contexts[0]
     compile_s: dict[str, float] = {}
@@ -253,7 +209,7 @@ def time_config(cfg: StepBenchConfig, call: Callable, compiled: dict, setup: Dec
                 world: int, fresh: Iterator[int]) -> dict:
     """Every variant at ``n`` rows per rank and context ``c``: eager, then (``cuda_graph``) replays,
     each checked by a replay at position ``c + next(fresh)``, where no step wrote before."""
-    from pcppass.runtime.stats import SYNC_COUNTERS
+    from pcppass.sync.stats import SYNC_COUNTERS
 
     entry: dict[str, Any] = {"rows_per_rank": n, "context": c, "requests": n * world, "variants": {}}
     steps = {}
@@ -292,7 +248,7 @@ def replayed(step: Callable[[], Any], inputs: tuple, rotated: tuple, caches: dic
     then the step's inputs are overwritten with ``rotated`` (owners rotated, a position no step
     wrote yet) and replayed once more. Then the device status is read (the checks record what they find there;
     nothing raises during replays) and every cache compared bitwise across ranks."""
-    from pcppass.runtime import device_checks
+    from pcppass.sync import device_checks
 
     make_replicas_identical(caches)
     graph, status = capture(step)
@@ -358,9 +314,9 @@ def derive(entry: dict) -> None:
 
 def bench_rank(rank: int, world: int, cfg: StepBenchConfig) -> dict:
     """One rank of the decode-step bench (started by :func:`pcppass.engine.launch.launch`)."""
-    import pcppass.kernels  # noqa: F401
-    from pcppass.bench.sync_micro import sync_microbench
-    from pcppass.kernels import checks, rows_cuda
+    import pcppass.ops  # noqa: F401
+    from pcppass.ops import checks
+    from pcppass.sync import rows_cuda
 
     configure_dynamo()
     result: dict[str, Any] = {"environment": environment(), "config": asdict(cfg), "models": {}, "errors": []}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pcppass.bench.results import fmt, pyplot
-from pcppass.bench.step import NOCHECKS, SYNCED, VARIANTS
+from pcppass.bench.step_config import NOCHECKS, SYNCED, VARIANTS
 
 LABELS = {"replicated": "replicated", "immediate": "per-site sync", "deferred": "pcppass deferred",
           "deferred_allgather": "pcppass, all-gather", "immediate_nochecks": "per-site, checks off",

@@ -7,17 +7,15 @@ docs/BENCH.md).
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from pcppass.bench.inputs import caches_equal_across_ranks
+from pcppass.bench.step_config import StepBenchConfig
 from pcppass.bench.timing import across_ranks, bare_all_gather_us, time_graph, time_steps
-from pcppass.kernels.collectives import all_gather_single
-
-if TYPE_CHECKING:
-    from pcppass.bench.step import StepBenchConfig
+from pcppass.runtime.collectives import all_gather_single
 
 MLA_ROW = 656  # fp8_ds_mla: 512 e4m3 + 4 fp32 tile scales + 64 bf16
 INDEXER_VALUES, INDEXER_SCALES = 128, 4
@@ -28,13 +26,13 @@ def sync_microbench(rank: int, world: int, cfg: StepBenchConfig, log: Callable[[
     """The sync part of a ``micro_layers``-layer step, three ways, each per site and deferred:
 
     * ``reference``: the plain-torch ``pcppass::sync_*`` ops (host reads; ``--micro-reference``);
-    * ``per_cache``: the host-read-free torch kernels of :mod:`pcppass.kernels.rows_cuda`, one
+    * ``per_cache``: the host-read-free torch kernels of :mod:`pcppass.sync.rows_cuda`, one
       scatter per cache (what the rewrite emitted before ``sync_scatter_rows_all``);
     * ``batched``: the ops as the rewrite emits them now: ``sync_pack`` (one Triton launch for all
       caches), ``sync_read_header``, ONE ``sync_scatter_rows_all`` (one Triton launch).
     """
-    from pcppass.kernels import rows_cuda
-    from pcppass.kernels.rows import decode_layouts, encode_layout, write_rows
+    from pcppass.sync import rows_cuda
+    from pcppass.sync.rows import decode_layouts, encode_layout, write_rows
     from pcppass.spec import ResolvedLayout
 
     ops = torch.ops.pcppass

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pcppass.kernels.collectives import all_gather_single
+from pcppass.runtime.collectives import all_gather_single
 
 
 def summary(ms: list[float]) -> dict[str, float]:

@@ -11,11 +11,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
-from pcppass.analysis.records import StateWrite
-
-EXIT_COVERED, EXIT_UNCOVERED, EXIT_ERROR = 0, 1, 2
+from pcppass.analysis.report import EXIT_COVERED, EXIT_ERROR, EXIT_UNCOVERED, print_writes_table
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,26 +51,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_audit)
 
 
-def _print_table(model: str, writes: list[StateWrite], console: Any) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"state writes of {model}", show_lines=False)
-    for col in ("state", "op", "source", "pattern", "recipe", "bytes/row or reason"):
-        table.add_column(col, overflow="fold")
-    for w in writes:
-        if w.covered:
-            # a read-only record says why the op only reads (e.g. the layer's attention backend);
-            # one with alternative recipes, the bytes per row of each
-            last = str(w.bytes_per_row) if w.bytes_per_row is not None else w.detail
-            if w.recipe_bytes:
-                last = ", ".join(f"{name} {n}" for name, n in w.recipe_bytes.items())
-            table.add_row(w.state, f"{w.op} ({w.arg})", w.source, w.pattern.name, w.recipe.value, last)
-        else:
-            table.add_row(w.state, f"{w.op} ({w.arg})", w.source, "-", "-",
-                          f"[red]{w.reason.value}[/red]: {w.detail}")
-    console.print(table)
-
-
 def run_audit(args: argparse.Namespace) -> int:
     if args.vllm or args.zoo:
         # vLLM's log would bury the table; VLLM_LOGGING_LEVEL=INFO shows it (read at vLLM's import)
@@ -90,7 +67,8 @@ def run_audit(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from pcppass.analysis.report import audit
-    from pcppass.analysis.trace import TraceError, load_target
+    from pcppass.analysis.trace import TraceError
+    from pcppass.cli.targets import load_target
 
     console = Console(file=sys.stdout, width=200)
     err = Console(file=sys.stderr)
@@ -119,7 +97,7 @@ def run_audit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**report.to_dict(), "size": args.size}, indent=2))
     else:
-        _print_table(args.model, report.writes, console)
+        print_writes_table(args.model, report.writes, console)
         console.print(f"{len(report.covered)} covered, {len(report.uncovered)} uncovered")
         if report.dynamic is not None:
             for line in report.dynamic.summary_lines():

@@ -29,7 +29,7 @@ def _common(p: argparse.ArgumentParser, timeout: float) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from pcppass.bench.step import DEFAULT_VARIANTS, VARIANTS
+    from pcppass.bench.step_config import DEFAULT_VARIANTS, VARIANTS
 
     p = subparsers.add_parser(
         "bench", help="benchmark decode steps, attention kernels or serving, replicated vs decode-sharded",
@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     opt("--reps", 20, type=int, help="timed steps")
     opt("--smoke-steps", 3, type=int, help="sharded steps before the replica comparison")
     opt("--sync-kernels", "device", choices=("device", "reference"),
-        help="device: the host-sync-free CUDA kernels of pcppass.kernels.rows_cuda; reference: plain ops")
+        help="device: the host-sync-free CUDA kernels of pcppass.sync.rows_cuda; reference: plain ops")
     opt("--no-gather-hidden", True, dest="gather_hidden", action="store_false",
         help="do not all-gather the final hidden rows in sharded steps")
     opt("--cuda-graph", False, action="store_true", help="also capture each step in a CUDA graph and replay it")
@@ -125,7 +125,8 @@ def main_step(args: argparse.Namespace) -> int:
     from pcppass.bench import step_report
     from pcppass.bench.environment import default_tag, keep_multicast_off
     from pcppass.bench.results import write
-    from pcppass.bench.step import VARIANTS, StepBenchConfig, bench_rank, with_checks_off
+    from pcppass.bench.step import bench_rank
+    from pcppass.bench.step_config import VARIANTS, StepBenchConfig, with_checks_off
     from pcppass.engine.launch import launch
 
     args = argparse.Namespace(**{**STEP_DEFAULTS, **vars(args)})

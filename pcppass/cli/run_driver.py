@@ -94,7 +94,7 @@ def workload(cfg: RunConfig, block_size: int, vocab_size: int) -> list[RequestSp
 
 
 def _engine_config(cfg: RunConfig) -> dict[str, Any]:
-    from pcppass.runtime.peer import symmetric_zeros
+    from pcppass.sync.peer import symmetric_zeros
 
     return dict(num_blocks=cfg.num_blocks, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,

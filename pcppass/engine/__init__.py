@@ -3,7 +3,7 @@
 See docs/MODEL_CONTRACT.md for what a model implements and :mod:`pcppass.engine.runner` for a step.
 """
 
-from pcppass.engine.contract import CacheGroupSpec, CacheSpec
+from pcppass.contract import CacheGroupSpec, CacheSpec
 from pcppass.engine.layout import PlanError
 from pcppass.engine.runner import Engine, Runner, StepRecord, compiled_runner, eager_runner
 from pcppass.engine.workload import RequestSpec, WorkloadConfig, generate_workload

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pcppass.engine.contract import NULL_BLOCK, CacheGroupSpec
+from pcppass.contract import NULL_BLOCK, CacheGroupSpec
 
 
 class OutOfBlocks(RuntimeError):

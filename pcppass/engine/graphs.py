@@ -17,7 +17,7 @@ A replay runs no Python. What the wrapped runner checks on the host around its c
 therefore either unchanged by a replay or done here:
 
 * the slot-range, two-owner and sync-header checks are kernels inside the step: captured, they run
-  on every replay and leave the status :func:`pcppass.runtime.device_checks.raise_pending` reads;
+  on every replay and leave the status :func:`pcppass.sync.device_checks.raise_pending` reads;
 * recompiles, Dynamo running the step eagerly and state rebound outside the graph cannot happen in
   a replay (no Dynamo, no Python stores), and the caches a replay writes must be the tensors the
   graph was captured on: :meth:`CudaGraphRunner.__call__` refuses any other;
@@ -27,7 +27,7 @@ therefore either unchanged by a replay or done here:
   across ranks before the step (diverged in the replays since the last check); the first decode
   step of a captured size is such a step;
 * the cache-write ops' own host checks of their values (slot values, positions against a rope
-  table: :mod:`pcppass.kernels.checks`) are skipped under capture and so in every replay: the
+  table: :mod:`pcppass.ops.checks`) are skipped under capture and so in every replay: the
   engine's plan validation must be on (it checks every slot before the step), and positions are
   bounded by ``max_model_len``, which must not exceed the model's tables. So are switches read
   when an op runs (``rows_cuda.kernels_enabled``, ``checks.value_checks``): a replay keeps those
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from pcppass.engine.layout import LocalStep
-from pcppass.runtime import device_checks
+from pcppass.sync import device_checks
 from pcppass.runtime.failstop import group_rank, raise_fail_stop
 from pcppass.runtime.state_checks import digest_forced
 

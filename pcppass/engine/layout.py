@@ -34,7 +34,7 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 import torch
 
-from pcppass.engine.contract import (
+from pcppass.contract import (
     IS_PADDING,
     QUERY_START_LOC,
     SEQ_LENS,

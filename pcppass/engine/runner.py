@@ -31,9 +31,9 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from pcppass.engine.contract import CacheGroupSpec, CacheSpec, StepKind
+from pcppass.contract import CacheGroupSpec, CacheSpec, StepKind
 from pcppass.engine.graphs import CudaGraphRunner, decode_graph_sizes
-from pcppass.kernels.collectives import all_gather_single
+from pcppass.runtime.collectives import all_gather_single
 from pcppass.engine.layout import (
     LayoutPlan,
     LocalStep,
@@ -45,7 +45,7 @@ from pcppass.engine.layout import (
 )
 from pcppass.engine.scheduler import GlobalStep, Scheduler, SchedulerConfig
 from pcppass.engine.workload import RequestSpec
-from pcppass.kernels.attention.launch import decode_rows_per_rank
+from pcppass.engine.attention.launch import decode_rows_per_rank
 from pcppass.runtime.failstop import raise_fail_stop
 from pcppass.runtime.liveness import wait_watched
 
@@ -124,7 +124,7 @@ class EngineConfig:
     #: always write on every rank.
     mixed_replicated_writer: Literal["every_rank", "first_rank"] = "every_rank"
     #: ``(shape, dtype, device) -> zeroed tensor`` for every cache (default: ``torch.zeros``);
-    #: ``pcppass.runtime.peer.symmetric_zeros`` puts the replicas in symmetric memory (peer stores)
+    #: ``pcppass.sync.peer.symmetric_zeros`` puts the replicas in symmetric memory (peer stores)
     cache_allocator: Callable[[tuple, torch.dtype, torch.device], torch.Tensor] | None = None
 
 
@@ -291,7 +291,7 @@ class Engine:
     def decode_rows_per_rank(self) -> int:
         """Decode rows a rank runs when the engine is full (``max_num_seqs`` requests decoding):
         all of them replicated, a ``1 / world`` share sharded. The attention kernels are launched
-        for it (:func:`pcppass.kernels.attention.launch.decode_rows_per_rank`): a constant of the
+        for it (:func:`pcppass.engine.attention.launch.decode_rows_per_rank`): a constant of the
         engine, the same on every rank, so a row's result never depends on the rows of its step."""
         seqs = self.config.max_num_seqs
         return seqs if self.policy == "replicated" else -(-seqs // self.world)

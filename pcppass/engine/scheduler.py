@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 from pcppass.engine.allocator import KVCacheManager
-from pcppass.engine.contract import CacheGroupSpec, StepKind
+from pcppass.contract import CacheGroupSpec, StepKind
 from pcppass.engine.workload import RequestSpec, ngram_draft
 
 RowKind = Literal["prefill", "decode"]

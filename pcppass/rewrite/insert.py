@@ -67,11 +67,11 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.fx
 
-import pcppass.kernels.rerun_context  # noqa: F401  (registers pcppass::sync_rerun_context)
-import pcppass.kernels.rows  # noqa: F401  (registers the pcppass::sync_* ops)
+import pcppass.sync.rerun_context  # noqa: F401  (registers pcppass::sync_rerun_context)
+import pcppass.sync.rows  # noqa: F401  (registers the pcppass::sync_* ops)
 from pcppass.analysis.views import node_value
 from pcppass.errors import PcpSyncError
-from pcppass.kernels.rows import encode_layout
+from pcppass.sync.rows import encode_layout
 from pcppass.rewrite.overlap import start_exchange_early
 from pcppass.rewrite.plan import CacheRef, ContextRef, PlanError, SyncPlan, SyncSite, written_arg_names
 from pcppass.spec import Recipe, ResolvedLayout
@@ -490,7 +490,7 @@ def emit_snapshots(emit: GraphEmitter, segments: Segments) -> list[tuple[torch.f
     """``pcppass.sync_snapshot`` of every graph cache the sites write, at this rank's slots, right
     before the first site (one op); an entry whose cache view or slot mapping the graph computes
     later gets its own snapshot right before its site (restored first: see
-    :func:`pcppass.kernels.rows.restore_snapshots`). Returns each snapshot node and its entries."""
+    :func:`pcppass.sync.rows.restore_snapshots`). Returns each snapshot node and its entries."""
     if not segments.written:
         return []
     graph = emit.graph
@@ -544,7 +544,7 @@ class AllGatherTransport(Transport):
                                              slots_segs, layouts, group, labels, check_conflicts)
         pcppass.sync_unpack(gathered, index, segment, local, group, mask, verdict)  # every_rank
 
-    The verdict (:func:`pcppass.kernels.rows.sync_verdict`) reads every rank's header and slots
+    The verdict (:func:`pcppass.sync.rows.sync_verdict`) reads every rank's header and slots
     once for the whole collective, before its first scatter, however many batches a re-run splits
     the scatters into: a refused step applies no batch and re-runs nothing on any rank, and under
     the deferred schedule every rank writes back, from the snapshot, the rows its own ops wrote.

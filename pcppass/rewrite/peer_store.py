@@ -1,6 +1,6 @@
 """The peer-store transport, and the automatic choice between it and the all-gather transport.
 
-:class:`PeerStoreTransport` moves one collective's rows with ONE op (:mod:`pcppass.kernels.peer_store`)
+:class:`PeerStoreTransport` moves one collective's rows with ONE op (:mod:`pcppass.sync.peer_store`)
 when every replica of every cache lives in symmetric memory: each rank stores its rows straight
 into every peer's replica and its header and payloads into every rank's mailbox, then waits on a
 device epoch. Before (one DeepSeek-V3.2 layer, deferred)::
@@ -37,9 +37,9 @@ from typing import Sequence
 import torch
 import torch.fx
 
-import pcppass.kernels.peer_store  # noqa: F401  (registers pcppass::sync_peer_store)
-from pcppass.kernels import row_kernels
-from pcppass.kernels.rows import encode_layout
+import pcppass.sync.peer_store  # noqa: F401  (registers pcppass::sync_peer_store)
+from pcppass.sync import row_kernels
+from pcppass.sync.rows import encode_layout
 from pcppass.rewrite.insert import (
     AllGatherTransport, CacheRows, GraphEmitter, Segments, SyncGroup, Transport, slot_dtype,
 )
@@ -64,7 +64,7 @@ def _real_tensor(node: torch.fx.Node) -> torch.Tensor | None:
 
 def peer_store_refusal(segments: Segments, group: SyncGroup) -> str | None:
     """Why peer stores cannot move ``segments`` (None when they can)."""
-    from pcppass.runtime.peer import cache_refusal, group_refusal
+    from pcppass.sync.peer import cache_refusal, group_refusal
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     why = group_refusal(_resolve_process_group(group.group_name))

@@ -309,3 +309,19 @@ def _plan_rerun(site: SyncSite, where: str) -> None:
     if missing:
         raise PlanError(f"{where}: re-run pattern {pattern.name} must list slot args "
                         f"{sorted(missing)} among its row_args")
+
+
+def size_expr(size: Any) -> Any:
+    """A tensor size as a sympy expression (a size Dynamo kept dynamic) or an int."""
+    if isinstance(size, torch.SymInt):
+        return size.node.expr
+    return int(size)
+
+
+def num_slots_expr(cache: torch.Tensor, layout) -> Any:
+    """How many slots ``cache`` holds under ``layout`` (:func:`size_expr` of its sizes)."""
+    if layout.kind == "paged_rows":
+        return size_expr(cache.shape[0]) * size_expr(cache.shape[1])
+    if layout.kind == "block_split":
+        return size_expr(cache.shape[0]) * layout.block_size
+    return size_expr(cache.shape[layout.dim])

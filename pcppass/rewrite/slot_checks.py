@@ -19,7 +19,7 @@ immediate schedule: there each site is synchronised right after it, so a row two
 a later site would show only after earlier sites' rows were applied on every replica. So every
 slot mapping, inputs included, is gathered here (``send``) and the verdict refuses, before any
 write, a step in which two ranks would write one row or overlapping bytes of one buffer
-(:mod:`pcppass.kernels.owners`): one extra collective per immediate step.
+(:mod:`pcppass.sync.owners`): one extra collective per immediate step.
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ import sympy
 import torch
 import torch.fx
 
-import pcppass.runtime.validate  # noqa: F401  (registers the pcppass::slot_check_* ops)
+import pcppass.sync.slot_check_ops  # noqa: F401  (registers the pcppass::slot_check_* ops)
 from pcppass.analysis.schema import resolve_overload, written_args
 from pcppass.analysis.views import node_value
 from pcppass.errors import PcpSyncError
-from pcppass.kernels.rows import encode_layout
-from pcppass.rewrite.plan import CacheSync, SyncPlan, SyncSite, storages_of, written_storages
-from pcppass.runtime.validate import num_slots_expr
+from pcppass.sync.rows import encode_layout
+from pcppass.rewrite.plan import CacheSync, SyncPlan, SyncSite, storages_of, written_storages, num_slots_expr
 
 _c10d = torch.ops._c10d_functional
 

@@ -45,6 +45,7 @@ from pcppass.rewrite.plan import SyncPlan, plan_sync
 from pcppass.rewrite.rebinding import rebound_state
 from pcppass.rewrite.slot_checks import insert_slot_checks
 from pcppass.rewrite.stage import check_graph_stage, graph_breaks, is_dynamo_graph_module
+from pcppass.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,11 @@ ON_UNCOVERED: tuple[OnUncovered, ...] = ("raise", "replicate", "unsafe_ignore")
 _SOURCE_MODULES = (
     "pcppass.analysis.classify", "pcppass.analysis.defuse", "pcppass.analysis.recipes",
     "pcppass.analysis.records", "pcppass.analysis.schema", "pcppass.analysis.state_writes",
-    "pcppass.analysis.views", "pcppass.checks", "pcppass.kernels.rerun_context", "pcppass.kernels.rows",
+    "pcppass.analysis.views", "pcppass.checks", "pcppass.sync.rerun_context", "pcppass.sync.rows",
     "pcppass.registry", "pcppass.rewrite.insert",
     "pcppass.rewrite.overlap", "pcppass.rewrite.peer_store",
     "pcppass.rewrite.plan", "pcppass.rewrite.rebinding", "pcppass.rewrite.slot_checks", "pcppass.rewrite.stage",
-    "pcppass.rewrite.sync_pass", "pcppass.runtime.validate", "pcppass.spec",
+    "pcppass.rewrite.sync_pass", "pcppass.runtime.validate", "pcppass.spec", "pcppass.sync.slot_check_ops",
 )
 
 
@@ -154,8 +155,6 @@ class PcpSyncPass(CustomGraphPass):
     def uuid(self) -> str:
         """Stable across processes; changes with pcppass's version, the rewrite's source, any
         registered pattern, the configuration and the group it syncs."""
-        from pcppass import __version__
-
         digest = hashlib.sha256()
         digest.update(__version__.encode())
         digest.update(_source_hash(_SOURCE_MODULES).encode())

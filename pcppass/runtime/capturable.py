@@ -16,11 +16,11 @@ import torch
 import torch.fx
 
 #: Modules whose operator implementations read the device on the host: the reference sync ops
-#: (sizes, offsets and headers read back; ``pcppass.kernels.rows``) and the checks of slot mappings
-#: a graph computes (every rank's verdict read back; ``pcppass.runtime.validate``). On CUDA an
+#: (sizes, offsets and headers read back; ``pcppass.sync.rows``) and the checks of slot mappings
+#: a graph computes (every rank's verdict read back; ``pcppass.sync.slot_check_ops``). On CUDA an
 #: operator runs its registered CUDA kernel instead when one is registered and enabled
-#: (``pcppass.kernels.rows_cuda`` registers the sync ops'; ``rows_cuda.kernels_enabled``).
-HOST_READING_MODULES = ("pcppass.kernels.rows", "pcppass.runtime.validate")
+#: (``pcppass.sync.rows_cuda`` registers the sync ops'; ``rows_cuda.kernels_enabled``).
+HOST_READING_MODULES = ("pcppass.sync.rows", "pcppass.sync.slot_check_ops")
 #: Operator namespaces whose operators Inductor compiles or CUDA graphs capture as they are.
 CAPTURABLE_NAMESPACES = ("aten", "prims", "_c10d_functional", "c10d_functional")
 

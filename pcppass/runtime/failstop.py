@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
-import sys
 import traceback
-import types
 from typing import Any, Callable, Iterator, NoReturn
 
 import torch.distributed as dist
 
 from pcppass.errors import PcpCoverageError, PcpError, PcpSyncError
 from pcppass.runtime import liveness
-
-log = logging.getLogger(__name__)
+from pcppass.runtime.groups import abort_process_group, group_is_gone, world_as_none
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int | None:
@@ -45,55 +41,15 @@ def abort_group(group: dist.ProcessGroup | None, *, failed: bool = True) -> bool
     collective). Idempotent: a group that is gone already is left alone. Returns True if this
     call aborted it.
     """
-    if not dist.is_initialized():
+    if group_is_gone(group):
         return False
-    from torch.distributed import distributed_c10d as c10d
-
-    if group is not None and c10d._world.pg_map.get(group) is None:
-        return False  # destroyed or aborted already
-    if group is not None and group is c10d.GroupMember.WORLD:
-        group = None
+    group = world_as_none(group)
     if failed:
         watches = liveness.live_watches() if group is None else [liveness.watch_of(group)]
         for watch in filter(None, watches):
             watch.mark_failed()
-    aborted = group if group is not None else c10d.GroupMember.WORLD
-    abort = getattr(c10d, "_abort_process_group", None)
-    try:
-        if abort is not None:
-            abort(group)
-        else:
-            dist.destroy_process_group(group)
-    except Exception as exc:  # aborting a broken group may fail too; it is unusable either way
-        log.debug("pcppass: aborting the process group raised %r", exc)
-    _drop_import_time_references(aborted)
+    abort_process_group(group)
     return True
-
-
-def abort_group_by_id(pg_id: int) -> None:
-    """Abort the group whose ``id()`` is ``pg_id`` if it still exists (a liveness watch holds
-    the id, never the group), without marking this rank failed: a peer is the cause."""
-    from torch.distributed import distributed_c10d as c10d
-
-    for pg in list(c10d._world.pg_map):
-        if id(pg) == pg_id:
-            abort_group(None if pg is c10d.GroupMember.WORLD else pg, failed=False)
-            return
-
-
-def _drop_import_time_references(group: dist.ProcessGroup) -> None:
-    """Let the aborted ``group`` be destroyed (a gloo group closes its connections only then).
-
-    ``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as default arguments when it
-    is imported (torch._dynamo imports it); imported after ``init_process_group``, those defaults
-    keep the world group alive forever. Reset them to None, their value when the module is
-    imported before a group exists (None means the default group).
-    """
-    module = sys.modules.get("torch.distributed.nn.functional")
-    for fn in vars(module).values() if module is not None else ():
-        defaults = getattr(fn, "__defaults__", None)
-        if isinstance(fn, types.FunctionType) and defaults and any(d is group for d in defaults):
-            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
 
 
 def stop_error(exc: BaseException, group: dist.ProcessGroup | None, rank: int | None,

@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
 
+from pcppass.runtime.groups import abort_group_by_id
+
 if TYPE_CHECKING:
     from pcppass.checks import SyncChecks
 
@@ -221,8 +223,6 @@ class PeerWatch:
         """Keep the verdict; on NCCL abort the group: its waiting collective would spin forever.
         A gloo collective fails by itself once a dead or failed peer's sockets close, and aborting
         a gloo group from this thread while a collective waits can keep that wait from ending."""
-        from pcppass.runtime.failstop import abort_group_by_id
-
         self.verdict = verdict
         log.error("pcppass: rank %s: %s%s", self.rank, verdict.sentence(self.timeout_s),
                   " Aborting the process group." if self.aborts else "")

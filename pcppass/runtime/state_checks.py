@@ -41,7 +41,7 @@ import torch.fx
 
 from pcppass.checks import SyncChecks
 from pcppass.errors import PcpSyncError
-from pcppass.kernels.rows import restoring_on_failure
+from pcppass.sync.rows import restoring_on_failure
 
 #: set by :func:`digest_forced`
 _DIGEST_FORCED: contextvars.ContextVar[bool] = contextvars.ContextVar("pcppass_digest_forced", default=False)

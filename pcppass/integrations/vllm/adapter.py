@@ -41,14 +41,14 @@ from torch import nn
 
 from pcppass.checks import SyncChecks
 from pcppass.compiler import Inner, OnUncovered, PcpBackend
-from pcppass.engine.contract import (
+from pcppass.contract import (
     QUERY_START_LOC, SEQ_LENS, TOKEN_TO_REQ, CacheGroupSpec, CacheSpec, slot_key, table_key,
 )
 from pcppass.engine.runner import Engine
 from pcppass.errors import PcpError
 from pcppass.integrations.vllm.engine_args import cpu_engine_args
 from pcppass.integrations.vllm.loaders import use_moe_dispatch_op
-from pcppass.runtime.stats import SYNC_COUNTERS
+from pcppass.sync.stats import SYNC_COUNTERS
 from pcppass.sharded import ShardedRunner, StepSync
 
 

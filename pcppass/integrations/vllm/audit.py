@@ -29,7 +29,7 @@ import torch
 import torch.fx
 
 from pcppass.analysis.records import StateWrite
-from pcppass.analysis.report import AuditReport
+from pcppass.analysis.report import EXIT_COVERED, EXIT_ERROR, EXIT_UNCOVERED, AuditReport, print_writes_table
 from pcppass.integrations.vllm.config_dir import (
     ConfigDirError, Shrink, architectures, has_weights, parsed_layer_kinds, read_config, shrink_config,
     write_config_dir,
@@ -280,14 +280,12 @@ def audit_model_dir(model_dir: str, **llm_args: Any) -> AuditReport:
 
 
 def _print_audit(audit: VllmAudit, console: Any) -> None:
-    from pcppass.cli.audit import _print_table
-
     archs = ", ".join(audit.architectures) or "?"
     console.print(f"{archs}: {audit.weights} weights, {audit.dtype}, MoE dispatch {audit.moe_dispatch}",
                   markup=False)
     if audit.shrink is not None:
         console.print(audit.shrink.summary(), markup=False)
-    _print_table(audit.model_dir, audit.report.writes, console)
+    print_writes_table(audit.model_dir, audit.report.writes, console)
     console.print("custom ops in vLLM's graph: " + "; ".join(
         f"{u.op} x{u.calls}: {u.status}" for u in audit.ops), markup=False)
     report = audit.report
@@ -298,8 +296,6 @@ def run_audit_cli(args: argparse.Namespace) -> int:
     """``pcppass audit --vllm DIR`` (or ``--zoo``): the table (or ``--json``) and exit codes of
     ``pcppass audit``: 0 covered, 1 uncovered, 2 the model could not be loaded."""
     from rich.console import Console
-
-    from pcppass.cli.audit import EXIT_COVERED, EXIT_ERROR, EXIT_UNCOVERED
 
     err = Console(file=sys.stderr, width=200)
     if args.dynamic:

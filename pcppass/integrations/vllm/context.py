@@ -44,6 +44,7 @@ from typing import Any, Mapping
 import torch
 
 from pcppass.integrations.vllm.effects import backend_layout
+from pcppass.integrations.vllm.layers import UnsupportedLayer, layer_named
 from pcppass.integrations.vllm.state import describe_state, is_state_layer, resolve_state
 
 #: the name patterns refer to (``WritePattern(resolver=RESOLVER)``)
@@ -54,25 +55,6 @@ RESOLVER = "vllm"
 CPU_VERIFIED_ISAS = ("vec", "vec16")
 #: the block size of the compile-time description (CPU_ATTN takes multiples of 32)
 DESCRIBE_BLOCK = 32
-
-
-class UnsupportedLayer(ValueError):
-    """A layer whose KV cache layout the resolver does not know to be exact."""
-
-
-def layer_named(name: str) -> Any:
-    """The layer vLLM registered under ``name`` (attention, MoE, state layers), in the current
-    forward context or, while vLLM compiles, its static forward context."""
-    from vllm.config import get_current_vllm_config
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if is_forward_context_available():
-        layers = get_forward_context().no_compile_layers
-    else:
-        layers = get_current_vllm_config().compilation_config.static_forward_context
-    if name not in layers:
-        raise KeyError(f"no vLLM layer named {name!r} in the current context")
-    return layers[name]
 
 
 def _is_mla(layer: Any) -> bool:

@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from pcppass.integrations.vllm.state import STATE_OPS, state_effect
+from pcppass.integrations.vllm.layers import UnsupportedLayer, layer_named
 from pcppass.registry import HandleEffect
 
 #: the vLLM releases whose source the reviews below (and ``patterns/vllm_*.py``) were read in
@@ -72,8 +73,6 @@ def class_path(cls: type) -> str:
 
 
 def _unsupported(message: str) -> Exception:
-    from pcppass.integrations.vllm.context import UnsupportedLayer
-
     return UnsupportedLayer(message)
 
 
@@ -220,7 +219,6 @@ OP_EFFECTS: dict[str, Callable[[Any, str], HandleEffect]] = {
 
 def effect(op: str, handle: str) -> HandleEffect:
     """The ``"vllm"`` resolver's ``effect``: what ``op`` does through layer ``handle``."""
-    from pcppass.integrations.vllm.context import layer_named
 
     decide = OP_EFFECTS.get(op)
     if decide is None:

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from pcppass.integrations.vllm.layers import UnsupportedLayer, layer_named
 from pcppass.registry import HandleEffect
 
 _LAYERS = "vllm.model_executor.layers.mamba"
@@ -124,8 +125,6 @@ def class_path(cls: type) -> str:
 
 
 def _unsupported(message: str) -> Exception:
-    from pcppass.integrations.vllm.context import UnsupportedLayer
-
     return UnsupportedLayer(message)
 
 
@@ -379,7 +378,6 @@ def rerun(op_name: str, name: str, rows: Mapping[str, torch.Tensor], lines: torc
     """The ``"vllm"`` resolver's ``rerun``: run ``op_name``'s update of layer ``name`` for the rows
     whose line is >= 0, as one decode-only batch, every output discarded."""
     from pcppass.errors import PcpSyncError
-    from pcppass.integrations.vllm.context import layer_named
 
     layer = layer_named(name)
     op = check_state_layer(layer, name, op_name)

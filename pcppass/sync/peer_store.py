@@ -2,7 +2,7 @@
 
 The peer-store transport (:class:`pcppass.rewrite.peer_store.PeerStoreTransport`) replaces
 pack + all-gather + scatter with ONE launch when every replica of every cache lives in symmetric
-memory (:mod:`pcppass.runtime.peer`)::
+memory (:mod:`pcppass.sync.peer`)::
 
     mailbox = pcppass.sync_peer_store(fp, caches, slots, layouts, payloads, slots_segments, group,
                                       sites, verify, check_conflicts, return_payloads)
@@ -21,7 +21,7 @@ Then, with checks on, one more launch (``check_kernel``, as for the all-gather t
 the mailbox) compares every rank's header with this rank's (fingerprint, segment sizes) and every
 slot with the other ranks' slots of the same segment: a slot two ranks wrote is zeroed in this
 rank's replica (every rank does the same, so the replicas stay identical); errors go to the
-device status (:mod:`pcppass.runtime.device_checks`).
+device status (:mod:`pcppass.sync.device_checks`).
 
 No all-gather buffer, no receive-side scatter: a replica's rows arrive with the same bytes the
 all-gather transport's scatter writes (the rows of the cache at the owner's slots). A peer's rows
@@ -40,15 +40,15 @@ import torch
 import torch.distributed as dist
 
 from pcppass.errors import PcpSyncError
-from pcppass.kernels import row_kernels
-from pcppass.kernels.rows import decode_pack_layouts, header_bytes, site_labels
-from pcppass.kernels.rows_cuda import cached_header
-from pcppass.runtime import device_checks
-from pcppass.runtime.stats import SYNC_COUNTERS
+from pcppass.sync import row_kernels
+from pcppass.sync.rows import decode_pack_layouts, header_bytes, site_labels
+from pcppass.sync.rows_cuda import cached_header
+from pcppass.sync import device_checks
+from pcppass.sync.stats import SYNC_COUNTERS
 
 
 class Replicas(Protocol):
-    """Where every rank's replica and mailbox are (:class:`pcppass.runtime.peer.SymmetricReplicas`;
+    """Where every rank's replica and mailbox are (:class:`pcppass.sync.peer.SymmetricReplicas`;
     tests simulate it with tensors of one process)."""
 
     me: int
@@ -186,12 +186,12 @@ def sync_peer_store(
     (see the module docstring). ``caches`` are mutated: the peers' rows land in them.
     ``slots_segments[i]``: the payload segment holding cache i's slots; ``sites``: cache i's site
     label on line i. Returns every rank's mailbox chunk with ``return_payloads`` (re-runs)."""
-    from pcppass.runtime import peer
+    from pcppass.sync import peer
 
     device = caches[0].device if caches else None
     if device is None or device.type != "cuda":
         raise PcpSyncError("pcppass::sync_peer_store needs CUDA caches in symmetric memory "
-                           "(pcppass.runtime.peer.symmetric_empty); use the all-gather transport")
+                           "(pcppass.sync.peer.symmetric_empty); use the all-gather transport")
     return store(fingerprint, caches, cache_slots, layouts, payloads, slots_segments, sites, verify,
                  check_conflicts, return_payloads, peer.replicas(group_name, device))
 

@@ -8,12 +8,12 @@ The ``write_*`` functions are the single implementation of each store: the ops c
 the fused ops, which is what makes a fused op byte-identical to the unfused sequence.
 
 Real implementations validate everything (structure and values) before the first write; fake
-implementations validate structure only (see :mod:`pcppass.kernels.checks`).
+implementations validate structure only (see :mod:`pcppass.ops.checks`).
 
 On CUDA the stores read nothing back to the host: every row is encoded (the same quantisers, so the
-same bytes) and one Triton kernel (:func:`pcppass.kernels.row_kernels.store_rows`) stores the rows
+same bytes) and one Triton kernel (:func:`pcppass.sync.row_kernels.store_rows`) stores the rows
 whose slot is not negative, where the reference selects them with ``nonzero``. With the value
-checks skipped during a capture (:func:`pcppass.kernels.checks.value_checks_active`), a step that
+checks skipped during a capture (:func:`pcppass.ops.checks.value_checks_active`), a step that
 calls these ops can be captured in a CUDA graph. :func:`masked_stores` runs that path on CPU
 tensors too (under ``TRITON_INTERPRET=1``: tests).
 """
@@ -24,8 +24,9 @@ from typing import Iterator
 
 import torch
 
-from pcppass.kernels import checks, row_kernels
-from pcppass.kernels.quant import (
+from pcppass.ops import checks
+from pcppass.sync import row_kernels
+from pcppass.ops.quant import (
     DS_MLA_TILE,
     SCALE_FORMATS,
     ds_mla_row_bytes,
@@ -301,7 +302,7 @@ def concat_and_cache_mla(
     """Store ``cat(kv_c[t], k_pe[t])`` at ``slot_mapping[t]`` of ``kv_cache [nb, bs, W]``.
 
     ``"auto"``: cache dtype, ``W = L + R``. ``"fp8"``: per-tensor ``scale``, e4m3, ``W = L + R``.
-    ``"fp8_ds_mla"``: uint8, ``W = L + 4*L/128 + 2*R`` (see :mod:`pcppass.kernels.quant`).
+    ``"fp8_ds_mla"``: uint8, ``W = L + 4*L/128 + 2*R`` (see :mod:`pcppass.ops.quant`).
     """
     op = "concat_and_cache_mla"
     check_mla_cache_args(op, kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)

@@ -1,6 +1,6 @@
-"""Triton kernel of :func:`pcppass.kernels.attention.select.select_topk_triton`: per row, the
+"""Triton kernel of :func:`pcppass.engine.attention.select.select_topk_triton`: per row, the
 positions of the ``k`` largest scores, found by radix select and written in position order (loaded
-once per Triton mode by :func:`pcppass.kernels.attention.launch.kernels`).
+once per Triton mode by :func:`pcppass.engine.attention.launch.kernels`).
 
 Keys: a float32 score's bits made monotonic as unsigned integers (negative scores: every bit
 flipped; others: the sign bit set), so ``-0.0`` ranks below ``+0.0`` and ``-inf`` is the lowest

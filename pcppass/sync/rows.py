@@ -36,8 +36,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from pcppass.kernels.owners import num_slots
-from pcppass.runtime.stats import SYNC_COUNTERS
+from pcppass.sync.owners import num_slots
+from pcppass.sync.stats import SYNC_COUNTERS
 from pcppass.spec import ResolvedLayout
 
 MAGIC = b"PCPSYNC1"
@@ -438,8 +438,8 @@ def sync_problems(caches: list[torch.Tensor], gathered: torch.Tensor, index: tor
                   slots_segments: list[int], layouts: list[int], sites: str, check_conflicts: bool) -> list[str]:
     """What refuses a step, read from the gathered buffer alike on every rank: headers that differ
     (``verify_header``), slots outside their cache and bytes two ranks wrote (``check_conflicts``;
-    :mod:`pcppass.kernels.owners`)."""
-    from pcppass.kernels.owners import Written, find_problems
+    :mod:`pcppass.sync.owners`)."""
+    from pcppass.sync.owners import Written, find_problems
 
     if verify_header:
         _, problem = _read_headers(gathered, world_size, fingerprint, num_segments)

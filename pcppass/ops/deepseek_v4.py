@@ -13,8 +13,8 @@
 
 import torch
 
-from pcppass.kernels import checks
-from pcppass.kernels.cache_ops import (
+from pcppass.ops import checks
+from pcppass.ops.cache_ops import (
     take_rows,
     check_indexer_cache,
     check_indexer_cache_storage,
@@ -25,7 +25,7 @@ from pcppass.kernels.cache_ops import (
     store_paged_rows,
     write_indexer_rows,
 )
-from pcppass.kernels.math import rms_norm, rope
+from pcppass.ops.math import rms_norm, rope
 
 POSITION_DTYPES = (torch.int64, torch.int32)
 BLOCK_TABLE_DTYPES = (torch.int64, torch.int32)

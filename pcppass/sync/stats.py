@@ -1,6 +1,6 @@
 """Counters of replica synchronisation actually performed, per process.
 
-The sync header op (:func:`pcppass.kernels.rows.sync_read_header`) runs once per all-gather, so it
+The sync header op (:func:`pcppass.sync.rows.sync_read_header`) runs once per all-gather, so it
 records every sync collective and its size as the compiled step executes (eager, aot_eager and
 Inductor alike). The runner reads and resets them around each step to report collectives and
 bytes per step.

@@ -1,5 +1,5 @@
-"""Triton kernels of :mod:`pcppass.kernels.attention` (loaded once per Triton mode by
-:func:`pcppass.kernels.attention.launch.kernels`: ``triton.jit`` decides between compiling and
+"""Triton kernels of :mod:`pcppass.engine.attention` (loaded once per Triton mode by
+:func:`pcppass.engine.attention.launch.kernels`: ``triton.jit`` decides between compiling and
 interpreting when it decorates).
 
 Every attention kernel reads the paged caches through the block table, row by row of the step:

@@ -1,15 +1,15 @@
 """CUDA kernels for the replica-sync ops with no host synchronisation (CUDA-graph capturable).
 
-The reference implementations in :mod:`pcppass.kernels.rows` read sizes and offsets back to the
+The reference implementations in :mod:`pcppass.sync.rows` read sizes and offsets back to the
 host (``bool(valid.any())``, ``index.tolist()``, ``gathered[:head].cpu()``), select rows with
 boolean masks and raise on bad slots or headers. Each of those waits for the GPU, and none can be
 recorded in a CUDA graph. The kernels here produce the same bytes with device-side selection
-only, and do the same checks on the device (:mod:`pcppass.runtime.device_checks`: errors are
+only, and do the same checks on the device (:mod:`pcppass.sync.device_checks`: errors are
 recorded in host-mapped status words and raised before the next step):
 
 * ``sync_pack`` (:func:`pack_batched`): ONE Triton launch writes the header, every cache's rows
   (16-byte words where the layout allows, many rows per program; zeros for slot -1; a slot out of
-  range is recorded and packed as zeros) and the payloads (:mod:`pcppass.kernels.row_kernels`);
+  range is recorded and packed as zeros) and the payloads (:mod:`pcppass.sync.row_kernels`);
 * ``sync_read_header``: the segment table comes from the sizes this rank packed (every rank packs
   the same sizes: that is what the header check enforces), as a cached device tensor whose host
   copy stays known, so the ops after it slice ``gathered`` without reading the device. With
@@ -42,8 +42,8 @@ from typing import Iterator
 
 import torch
 
-from pcppass.kernels import row_kernels, rows
-from pcppass.kernels.rows import (
+from pcppass.sync import row_kernels, rows
+from pcppass.sync.rows import (
     _encode_header,
     _group_rank,
     decode_layouts,
@@ -54,8 +54,8 @@ from pcppass.kernels.rows import (
     read_rows,
     write_rows,
 )
-from pcppass.runtime import device_checks
-from pcppass.runtime.stats import SYNC_COUNTERS
+from pcppass.sync import device_checks
+from pcppass.sync.stats import SYNC_COUNTERS
 from pcppass.spec import ResolvedLayout
 
 #: (device, fingerprint, segment sizes) -> header bytes on that device
@@ -98,7 +98,7 @@ def pack(
     layouts: list[int],
     payloads: list[torch.Tensor],
 ) -> torch.Tensor:
-    """``sync_pack`` without host reads (same bytes as :func:`pcppass.kernels.rows.sync_pack`)."""
+    """``sync_pack`` without host reads (same bytes as :func:`pcppass.sync.rows.sync_pack`)."""
     decoded = decode_pack_layouts(caches, cache_slots, layouts)
     anchor = caches[0] if caches else payloads[0]
     segments = [_padded_rows(c, s.reshape(-1), lay).reshape(-1)
@@ -248,7 +248,7 @@ def _headers_differ(gathered: torch.Tensor, index: torch.Tensor, me: int) -> tor
 
 
 # ---------------------------------------------------------------------------------------------
-# One launch for all caches (Triton, pcppass.kernels.row_kernels)
+# One launch for all caches (Triton, pcppass.sync.row_kernels)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -386,7 +386,7 @@ def scatter_rows_all(
     """``sync_scatter_rows_all`` with no host reads: ONE scatter launch for every cache, which
     applies nothing when ``verdict`` refused the step. Without a verdict and with checks
     (``check_conflicts``, or headers verified by ``sync_read_header``) one check launch decides
-    first (see :mod:`pcppass.runtime.device_checks` for what an error does). Caches the kernel
+    first (see :mod:`pcppass.sync.device_checks` for what an error does). Caches the kernel
     cannot address go through :func:`scatter_rows`, one by one; unchecked overlapping views, or
     an unknown segment table, through the reference op."""
     decoded = decode_layouts(layouts)
@@ -448,7 +448,7 @@ def _checked(caches: list[torch.Tensor], gathered: torch.Tensor, index: torch.Te
 
 
 def snapshot_batched(caches: list[torch.Tensor], cache_slots: list[torch.Tensor], layouts: list[int]) -> torch.Tensor:
-    """``sync_snapshot`` in ONE pack launch (same bytes as :func:`pcppass.kernels.rows.sync_snapshot`):
+    """``sync_snapshot`` in ONE pack launch (same bytes as :func:`pcppass.sync.rows.sync_snapshot`):
     every cache's rows at this rank's slots, then the slots as int64 (converted on the device when
     they are narrower). Caches the kernel cannot address take the reference op."""
     decoded = decode_pack_layouts(caches, cache_slots, layouts)

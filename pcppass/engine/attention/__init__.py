@@ -14,6 +14,6 @@ on CUDA they call these kernels, which read the paged caches through the block t
 docs/BENCH.md give the bytes each kernel must read and what it reaches on an H200.
 """
 
-from pcppass.kernels.attention import launch, ops
+from pcppass.engine.attention import launch, ops
 
 __all__ = ["launch", "ops"]

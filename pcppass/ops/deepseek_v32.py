@@ -9,13 +9,13 @@ is skipped WHOLE: its Q output row is zeros and neither cache is written. Maskin
 therefore changes the op's Q output; a sharding rewrite must never mask this op's slots.
 
 Byte-identical to ``concat_and_cache_mla`` + ``indexer_k_quant_and_cache`` called on the values
-produced by :func:`pcppass.kernels.math.rms_norm` / ``layer_norm`` / ``rope`` (the same store code).
+produced by :func:`pcppass.ops.math.rms_norm` / ``layer_norm`` / ``rope`` (the same store code).
 """
 
 import torch
 
-from pcppass.kernels import checks
-from pcppass.kernels.cache_ops import (
+from pcppass.ops import checks
+from pcppass.ops.cache_ops import (
     check_indexer_cache_args,
     check_indexer_cache_storage,
     check_mla_cache_args,
@@ -24,7 +24,7 @@ from pcppass.kernels.cache_ops import (
     write_indexer_rows,
     write_mla_rows,
 )
-from pcppass.kernels.math import layer_norm, rms_norm, rope
+from pcppass.ops.math import layer_norm, rms_norm, rope
 
 OP = "fused_norm_rope"
 POSITION_DTYPES = (torch.int64, torch.int32)

@@ -15,11 +15,11 @@ op                                  writes (mutated arguments)                  
 ==================================  ==================================================  ===========================
 
 Byte layouts and skip rules: ``docs/KERNELS.md``. Decoders for the quantised layouts:
-:mod:`pcppass.kernels.quant`. Norm / RoPE helpers the models share with the fused ops:
-:mod:`pcppass.kernels.math`.
+:mod:`pcppass.ops.quant`. Norm / RoPE helpers the models share with the fused ops:
+:mod:`pcppass.ops.math`.
 """
 
-from pcppass.kernels import cache_ops, deepseek_v32, deepseek_v4
-from pcppass.kernels.checks import KernelInputError
+from pcppass.ops import cache_ops, deepseek_v32, deepseek_v4
+from pcppass.ops.checks import KernelInputError
 
 __all__ = ["KernelInputError", "cache_ops", "deepseek_v32", "deepseek_v4"]

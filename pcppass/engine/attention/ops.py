@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from pcppass.kernels.attention import launch
-from pcppass.kernels.attention.select import select_topk_triton
+from pcppass.engine.attention import launch
+from pcppass.engine.attention.select import select_topk_triton
 
 
 def _rows(block_table, positions, token_to_req, query_start_loc, is_padding) -> launch.StepRows:

@@ -1,5 +1,5 @@
-"""Gluon kernels of :mod:`pcppass.kernels.attention` (Hopper only: warp-group MMA, mbarriers,
-``cp.async``, warp specialisation), launched by :mod:`pcppass.kernels.attention.launch` on sm_90.
+"""Gluon kernels of :mod:`pcppass.engine.attention` (Hopper only: warp-group MMA, mbarriers,
+``cp.async``, warp specialisation), launched by :mod:`pcppass.engine.attention.launch` on sm_90.
 Both read DeepSeek's fp8_ds_mla rows (512 e4m3 latent codes, a float32 scale per 128 of them, 64
 bf16 RoPE values: 656 bytes) and convert them the same way.
 
@@ -93,7 +93,7 @@ def _exponent(x):
 @gluon.jit
 def pow2_scales(amax):
     """Per head, ``(2^k, 2^-k)`` putting ``amax`` in [2^14, 2^15) (``k`` clamped to [-126, 126], as
-    :func:`pcppass.kernels.attention.triton_kernels.pow2_lane_scales`; a Gluon kernel cannot call a
+    :func:`pcppass.engine.attention.triton_kernels.pow2_lane_scales`; a Gluon kernel cannot call a
     Triton ``@jit`` function)."""
     k = gl.minimum(gl.maximum(14 - _exponent(amax), -126), 126)
     return _two_to(k), _two_to(-k)

@@ -3,7 +3,7 @@
 With every replica of a cache in symmetric memory (``torch.distributed._symmetric_memory``: each
 rank's allocation mapped into every other rank's address space over NVLink, peer to peer; NVLink
 multicast stays off), the owner of a row can store it straight into every peer's replica: no
-all-gather buffer, no scatter on the receiving side (:mod:`pcppass.kernels.peer_store`).
+all-gather buffer, no scatter on the receiving side (:mod:`pcppass.sync.peer_store`).
 
 * :func:`symmetric_empty` / :func:`symmetric_zeros` allocate a tensor in symmetric memory (the
   engine's and the benchmark's cache allocator option); :func:`is_symmetric` says whether a tensor
@@ -19,7 +19,7 @@ The barrier: each peer-store launch is one sync, numbered by the epoch (``counte
 it advances on the device and a replayed CUDA graph keeps counting). After its stores, a rank
 raises its flag in every peer's mailbox to the epoch (release) and waits until every peer's flag
 in its own mailbox reached it (acquire), at most ``timeout_s``; a timeout is recorded in the
-device status and raised by :func:`pcppass.runtime.device_checks.raise_pending`, never a hang.
+device status and raised by :func:`pcppass.sync.device_checks.raise_pending`, never a hang.
 Every rank must run the same sequence of peer-store syncs (the same graphs in the same order).
 """
 
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pcppass.errors import PcpSyncError
-from pcppass.kernels.row_kernels import MAILBOX_FLAGS, MAX_WORLD
+from pcppass.sync.row_kernels import MAILBOX_FLAGS, MAX_WORLD
 
 #: bytes of one rank's chunk (header + payloads) in a mailbox half
 DEFAULT_MAILBOX_CAPACITY = 1 << 20
@@ -159,7 +159,7 @@ class SymmetricReplicas:
     def agree(self, what: str, tensors: list[torch.Tensor]) -> None:
         """Every rank must hold ``tensors`` at the same offsets of their allocations, with the
         same shapes and dtypes (peers store at this rank's offset): compared through the store."""
-        from pcppass.runtime.fingerprint import exchange_fingerprint
+        from pcppass.sync.fingerprint import exchange_fingerprint
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         text = ";".join(f"{t.data_ptr() - t.untyped_storage().data_ptr()}:{tuple(t.shape)}:{t.stride()}:{t.dtype}"

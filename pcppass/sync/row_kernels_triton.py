@@ -1,4 +1,4 @@
-"""Triton kernels of :mod:`pcppass.kernels.row_kernels` (imported there on first use, once per
+"""Triton kernels of :mod:`pcppass.sync.row_kernels` (imported there on first use, once per
 Triton mode: ``triton.jit`` decides between compiling and interpreting when it decorates).
 
 Tile kernels (``pack_kernel``, ``scatter_kernel``, ``peer_kernel``) run one program per tile: a
@@ -26,7 +26,7 @@ Entry fields (int64; ``row_kernels.Entry`` builds them):
 10    wpr           words per row
 11    width         bytes per word
 12    arg           argument index (pack, peer) / alignment of the slots in the buffer (scatter)
-13    label         site label id for error reports (``pcppass.runtime.device_checks``)
+13    label         site label id for error reports (``pcppass.sync.device_checks``)
 14    check         scatter: index of row 0's check flag (-1: no checks)
 15    rank          scatter: the rank that sent the rows
 16    segment       the slot segment the rows' slots come from (check_kernel zeroes by it)
@@ -34,14 +34,14 @@ Entry fields (int64; ``row_kernels.Entry`` builds them):
 ====  ============  ==========================================================================
 
 Status words (an int64 array, host-mapped on CUDA so the host reads it without a sync) are
-written with plain stores, never read back on the device; see ``pcppass.runtime.device_checks``.
+written with plain stores, never read back on the device; see ``pcppass.sync.device_checks``.
 """
 
 import triton
 import triton.language as tl
 
-from pcppass.kernels import row_kernels
-from pcppass.runtime import device_checks as status_words
+from pcppass.sync import row_kernels
+from pcppass.sync import device_checks as status_words
 
 F_KIND = tl.constexpr(0)
 F_CACHE = tl.constexpr(1)
@@ -578,7 +578,7 @@ def peer_kernel(table, tiles, x0, x1, x2, x3, x4, x5, x6, x7, mailbox, mailbox_d
 
 
 # ---------------------------------------------------------------------------------------------
-# Cache-write store: one program per row (the cache-write ops, pcppass.kernels.cache_ops)
+# Cache-write store: one program per row (the cache-write ops, pcppass.ops.cache_ops)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ Launches, one each whatever the number of caches:
 * :func:`check_inputs`: slot-mapping inputs in range;
 * :func:`store_rows`: dense source rows into one cache at slots (the cache-write ops' store).
 
-Work is cut into tiles of :data:`BLOCK` words (:mod:`pcppass.kernels.row_kernels_triton`): a
+Work is cut into tiles of :data:`BLOCK` words (:mod:`pcppass.sync.row_kernels_triton`): a
 word is the widest of 16, 8, 4, 2, 1 bytes that every address of a table entry allows, so rows of
 DeepSeek's 656-byte MLA cache move as 16-byte vectors, many rows per program.
 
@@ -28,7 +28,7 @@ tiles) are built on the host from tensor metadata, once per configuration, and c
 reuses the same device tables and a captured CUDA graph replays them. Tensors whose addresses
 change from step to step (slot mappings, payloads) are kernel arguments (at most :data:`MAX_ARGS`).
 Slots outside ``[0, num_slots)`` are never written; the kernels record them in the device status
-(:mod:`pcppass.runtime.device_checks`).
+(:mod:`pcppass.sync.device_checks`).
 
 Triton's ``jit`` decides between compiling and interpreting when it decorates, so the kernels are
 built on first use, once per mode: ``TRITON_INTERPRET=1`` runs them on CPU tensors (tests).
@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from pcppass.runtime import device_checks
+from pcppass.sync import device_checks
 from pcppass.spec import ResolvedLayout
 
 #: segments a row may have in a kernel-addressed cache (the rest use the plain-torch ops)
@@ -280,9 +280,9 @@ def _kernels(interpret: bool) -> ModuleType:
     """The kernel module, imported for the Triton mode in force (a second copy when interpreting,
     so compiled and interpreted kernels never mix)."""
     if not interpret:
-        return importlib.import_module("pcppass.kernels.row_kernels_triton")
+        return importlib.import_module("pcppass.sync.row_kernels_triton")
     path = Path(__file__).with_name("row_kernels_triton.py")
-    spec = importlib.util.spec_from_file_location("pcppass.kernels.row_kernels_triton_interpreted", path)
+    spec = importlib.util.spec_from_file_location("pcppass.sync.row_kernels_triton_interpreted", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,7 +1,7 @@
 """Launchers of the paged attention kernels: shapes, program tiles, splits, kernel choice.
 
 Each launcher takes the step's meta tensors as the model contract defines them
-(:mod:`pcppass.engine.contract`: per-row ``positions``, ``token_to_req``, ``is_padding``,
+(:mod:`pcppass.contract`: per-row ``positions``, ``token_to_req``, ``is_padding``,
 ``query_start_loc``, one block-table row per local request) and reads the caches through the block
 table; nothing is gathered into a contiguous copy and nothing is read back to the host, so a step
 that calls them can be captured in a CUDA graph.
@@ -182,7 +182,7 @@ def _hopper(device_index: int | None) -> bool:
 
 
 def gluon_sparse_fits(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, ds_mla: bool) -> bool:
-    """Whether sparse MLA runs :func:`pcppass.kernels.attention.gluon_kernels.sparse_mla_kernel`:
+    """Whether sparse MLA runs :func:`pcppass.engine.attention.gluon_kernels.sparse_mla_kernel`:
     compiled Triton (not the interpreter) on a Hopper GPU (sm_90: warp-group MMA and 227 KB of
     shared memory per program), fp8_ds_mla rows of DeepSeek's widths (512 latent + 64 RoPE dims)
     starting at multiples of 16 bytes (16-byte copies), bf16 queries, heads in blocks of 64."""
@@ -203,7 +203,7 @@ def _gluon_ds_mla_rows(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Ten
 
 def gluon_dense_fits(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, ds_mla: bool,
                      tiles: Tiles) -> bool:
-    """Whether dense MLA runs :func:`pcppass.kernels.attention.gluon_kernels.dense_mla_kernel`: as
+    """Whether dense MLA runs :func:`pcppass.engine.attention.gluon_kernels.dense_mla_kernel`: as
     :func:`gluon_sparse_fits` (sm_90, compiled Triton, fp8_ds_mla rows of DeepSeek's widths at
     16-byte multiples, bf16 queries), for decode rows (one program per row) of at most
     :data:`DENSE_GLUON_HEADS` heads or blocks of them, over a cache whose blocks are contiguous, of a
@@ -229,9 +229,9 @@ def _kernel_module(name: str, interpret: bool) -> ModuleType:
     """A second copy of the module is imported when interpreting, so compiled and interpreted
     kernels never mix (``triton.jit`` picks its mode when it decorates)."""
     if not interpret:
-        return importlib.import_module(f"pcppass.kernels.attention.{name}")
+        return importlib.import_module(f"pcppass.engine.attention.{name}")
     path = Path(__file__).with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"pcppass.kernels.attention.{name}_interpreted", path)
+    spec = importlib.util.spec_from_file_location(f"pcppass.engine.attention.{name}_interpreted", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -450,7 +450,7 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
 
 def sparse_mla_gluon(q_lat, q_pe, cache, rows: StepRows, index, out, part_o, part_ml, scale: float, splits: int,
                      split: int) -> None:
-    """:func:`~pcppass.kernels.attention.gluon_kernels.sparse_mla_kernel` over fp8_ds_mla rows
+    """:func:`~pcppass.engine.attention.gluon_kernels.sparse_mla_kernel` over fp8_ds_mla rows
     ``cache [nb, bs, 656]``: one program per (row, 64 heads, split of ``split`` picks), into ``out``
     (one split) or the partial outputs that :func:`_combine` merges (the caller's)."""
     t, heads, _ = q_lat.shape
@@ -467,7 +467,7 @@ def sparse_mla_gluon(q_lat, q_pe, cache, rows: StepRows, index, out, part_o, par
 
 def dense_mla_gluon(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: StepRows, scale: float,
                     split: int | None = None, **shape) -> torch.Tensor:
-    """:func:`~pcppass.kernels.attention.gluon_kernels.dense_mla_kernel` over fp8_ds_mla rows
+    """:func:`~pcppass.engine.attention.gluon_kernels.dense_mla_kernel` over fp8_ds_mla rows
     ``cache [nb, bs, 656]``, decode rows: one program per (row, block of up to
     :data:`DENSE_GLUON_HEADS` heads, split of ``split`` keys, default :data:`DENSE_GLUON_SPLIT`),
     merged by :func:`_combine` -> ``[T, H, 512]``. ``shape``: the kernel's launch constants
@@ -497,7 +497,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
                    quant_block_size: int, tiles: IndexerTiles | None = None) -> torch.Tensor:
     """Lightning-indexer scores ``[T, span]`` (float32, -inf where not visible) from the fp8
     block-split indexer cache ``[nb, bs * (D + 4D/qbs)]``; ``q [T, Hi, D]``, ``weights [T, Hi]``.
-    An e4m3 ``q`` (its scales folded into ``weights``, :func:`pcppass.kernels.quant.quantize_indexer_query`)
+    An e4m3 ``q`` (its scales folded into ``weights``, :func:`pcppass.ops.quant.quantize_indexer_query`)
     meets the key codes in an fp8 dot where a token has one key scale (``D == qbs``)."""
     q, weights = _rows_of(q), _rows_of(weights)
     if q.dtype == torch.float8_e4m3fn and (q.shape[2] != quant_block_size or q.shape[2] < 32):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pcppass.kernels.rows import _group_rank, context_slots, context_tensors
+from pcppass.sync.rows import _group_rank, context_slots, context_tensors
 
 
 def _where(resolver: str, handle: str) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from pcppass.kernels.attention.launch import kernels
+from pcppass.engine.attention.launch import kernels
 
 #: rows of at least SAMPLE_RATIO * k keys (and twice the sample) are sampled: evenly spaced keys
 #: give a lower bound that leaves a little more than k candidates, in CANDIDATE_SLOTS * k slots
@@ -72,7 +72,7 @@ def sample_rank(k: int, length: int, sample: int) -> int:
 def select_topk_triton(scores: torch.Tensor, k: int, tiles: SelectTiles | None = None) -> torch.Tensor:
     """Logical positions of the ``k`` largest scores of each row of ``scores [T, span]`` (float32,
     -inf: not visible, no NaN) -> ``[T, k]`` int64, ascending, ``-1`` for picks with a -inf score;
-    bitwise the tensor :func:`pcppass.kernels.attention.launch.select_topk` returns.
+    bitwise the tensor :func:`pcppass.engine.attention.launch.select_topk` returns.
 
     The reference picks the ``k`` largest keys ``(score, -position)`` (scores as monotonic integer
     bits, so ``-0.0 < +0.0``; rows shorter than ``k`` padded with -inf) and sorts them. Those keys

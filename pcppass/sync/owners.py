@@ -11,7 +11,7 @@ compared as byte ranges of the storage they live in::
 
 :func:`find_problems` takes every cache a step's sync writes, with every rank's slots, and says
 what is wrong (slots outside a cache, bytes two ranks wrote), one line per cache; the replica sync
-(:mod:`pcppass.kernels.rows`) and the pre-write slot checks (:mod:`pcppass.runtime.validate`)
+(:mod:`pcppass.sync.rows`) and the pre-write slot checks (:mod:`pcppass.sync.slot_check_ops`)
 refuse the step on any. Entries that view one storage identically (the same cache written by two
 sites) are compared by slot, which names the slot; other entries sharing a storage by byte range.
 """
