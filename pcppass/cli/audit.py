@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     vllm.add_argument("--families", default=None,
                       help="with --zoo: comma-separated family names (default: all)")
     vllm.add_argument("--jobs", type=int, default=2, help="with --zoo: families audited at a time")
+    vllm.add_argument("--shard", action="store_true",
+                      help="with --zoo: run each covered family decode-sharded at P=2 (gloo) and compare its "
+                           "tokens with vLLM's LLM.generate")
     p.set_defaults(func=run_audit)
 
 
