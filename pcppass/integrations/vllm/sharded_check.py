@@ -209,7 +209,8 @@ def sharded_failures(ranks: list[dict], reference: list[list[int]]) -> list[str]
     Right: no rank failed or refused; every state tensor's digest equal on all ranks after every
     step; every rank's greedy tokens those of vLLM's ``reference`` (cut to each request's length);
     one decode graph with one all-gather, one collective per decode step; every layer digested;
-    decode rows split between ranks in some step, and some request's decode rows on two ranks.
+    some decode step with different row counts on the ranks (replicated, they would be equal), and
+    some request's decode rows on two ranks over the run.
     """
     errors = [f"rank {rank}: {r['error']} ({r.get('stage', '?')}): {r['message']}"
               for rank, r in enumerate(ranks) if "error" in r]
@@ -226,7 +227,8 @@ def sharded_failures(ranks: list[dict], reference: list[list[int]]) -> list[str]
         failures.extend(_rank_failures(rank, r, expected))
     first = ranks[0]
     if not any(len(set(rows)) > 1 for rows, kind in zip(first["rows"], first["kinds"]) if kind == "decode"):
-        failures.append(f"no decode step split its rows between ranks: {first['rows']}")
+        # replicated, every rank would run every row: equal counts in every step
+        failures.append(f"no decode step gave the ranks different row counts (not sharded?): {first['rows']}")
     if not moved_requests(first):
         failures.append(f"no request's decode rows changed owner: {first['owners']}")
     return failures
