@@ -46,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="the model's dtype (Qwen3-Next's CPU kernel takes bfloat16 only)")
     vllm.add_argument("--moe-dispatch", choices=("auto", "op"), default="auto",
                       help="'op': MoE layers through vllm::moe_forward, the dispatch vLLM uses off the CPU")
+    vllm.add_argument("--no-prefix-caching", action="store_true",
+                      help="run vLLM with enable_prefix_caching=False (its default for hybrids, mamba_cache_mode "
+                           "'align', copies state blocks outside the graph: refused)")
     vllm.add_argument("--zoo", action="store_true",
                       help="audit a tiny config of every architecture family in the zoo and print the table")
     vllm.add_argument("--families", default=None,

@@ -222,10 +222,12 @@ def shard_family(model_dir: Path, family: Family, *, timeout_s: float = ZOO_RUN_
 
 def audit_family(family: Family, root: str | Path, *, moe_dispatch: str = "auto", shard: bool = False,
                  timeout_s: float = FAMILY_TIMEOUT_S) -> ZooRow:
-    """Audit one family in its own process (``pcppass audit --vllm DIR --json``)."""
+    """Audit one family in its own process (``pcppass audit --vllm DIR --json``), prefix caching
+    off as the sharded run has it: vLLM's default for hybrids (``mamba_cache_mode="align"``, the
+    runner copying state blocks outside the graph) is refused, and it changes no other graph."""
     model_dir = family_dir(family, root)
     cmd = [sys.executable, "-m", "pcppass", "audit", "--vllm", str(model_dir), "--json",
-           "--dtype", family.dtype, "--moe-dispatch", moe_dispatch]
+           "--dtype", family.dtype, "--moe-dispatch", moe_dispatch, "--no-prefix-caching"]
     start = time.perf_counter()
     row = ZooRow(family.name, family.architecture, family.dtype, exit_code=-1, note=family.note)
     try:
