@@ -193,7 +193,8 @@ def _rank_failures(rank: int, result: dict, expected: list[list[int]]) -> list[s
     if mismatch is not None:
         failures.append(f"rank {rank}: {mismatch}")
     if result["graph_collectives"] != [1]:
-        failures.append(f"rank {rank}: decode graphs with {result['graph_collectives']} all-gathers, not one graph with one")
+        failures.append(f"rank {rank}: decode graphs with {result['graph_collectives']} all-gathers, "
+                        "not one graph with one")
     decode = [s for kind, s in zip(result["kinds"], result["syncs"]) if kind == "decode"]
     if not decode or any(s != 1 for s in decode):
         failures.append(f"rank {rank}: sync collectives per decode step {decode}, not one each")

@@ -261,7 +261,8 @@ def run_zoo(names: list[str] | None = None, *, moe_dispatch: str = "auto", jobs:
     families = [FAMILIES[name] for name in names or FAMILIES]
     with tempfile.TemporaryDirectory(prefix="pcppass-zoo-") as root, \
             ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(audit_family, family, root, moe_dispatch=moe_dispatch, shard=shard) for family in families]
+        futures = [pool.submit(audit_family, family, root, moe_dispatch=moe_dispatch, shard=shard)
+                   for family in families]
         if progress is not None:
             for future in as_completed(futures):
                 progress(future.result())
