@@ -224,7 +224,8 @@ def audit_family(family: Family, root: str | Path, *, moe_dispatch: str = "auto"
                  timeout_s: float = FAMILY_TIMEOUT_S) -> ZooRow:
     """Audit one family in its own process (``pcppass audit --vllm DIR --json``), prefix caching
     off as the sharded run has it: vLLM's default for hybrids (``mamba_cache_mode="align"``, the
-    runner copying state blocks outside the graph) is refused, and it changes no other graph."""
+    runner copying state blocks outside the graph) is refused; elsewhere it only decides which KV
+    blocks vLLM's scheduler reuses."""
     model_dir = family_dir(family, root)
     cmd = [sys.executable, "-m", "pcppass", "audit", "--vllm", str(model_dir), "--json",
            "--dtype", family.dtype, "--moe-dispatch", moe_dispatch, "--no-prefix-caching"]
