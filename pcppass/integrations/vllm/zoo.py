@@ -7,9 +7,13 @@ config keys; no weights) and audits it in its own process, ``N`` at a time (``pc
 family's row), then prints one row per family: the writes found by op, covered or not, recipe and
 bytes per row, the state vLLM allocates per layer, or the refusal and why.
 
-A sharded run fills the last column: :func:`register_sharded_check` gives a family a callable
-``check(model_dir, family) -> ShardedCheck`` (decode sharded at P=2, tokens compared with
-``vllm.LLM.generate``); families without one show "not run".
+``--shard`` fills the sharded column for every covered family: its tiny model (dummy weights)
+decode-sharded at P=2 under :mod:`.adapter` in its own process
+(``python -m pcppass.integrations.vllm.sharded_check``: two gloo ranks on 127.0.0.1, then
+``vllm.LLM.generate`` on the same weights), ``yes`` when the tokens equal vLLM's, the replicas are
+bitwise equal after every step and decode ownership moved between steps, else ``no`` with the
+first failure, or the adapter's refusal. :func:`register_sharded_check` gives a family another
+check; without ``--shard`` the column says "not run".
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from pcppass.integrations.vllm.config_dir import write_config_dir
+from pcppass.integrations.vllm.sharded_check import RESULT_MARKER, ZOO_RUN_TIMEOUT_S, ShardedCheck
 
 #: per-family audit time limit (seconds)
 FAMILY_TIMEOUT_S = 600
@@ -129,15 +134,6 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 )}
 
 
-@dataclass
-class ShardedCheck:
-    """A family's decode sharded at P ranks against ``vllm.LLM.generate``."""
-
-    ranks: int
-    tokens_equal: bool
-    detail: str = ""
-
-
 #: family name -> check(model_dir, family) (see :func:`register_sharded_check`)
 SHARDED_CHECKS: dict[str, Callable[[Path, Family], ShardedCheck]] = {}
 
@@ -200,7 +196,7 @@ class ZooRow:
                 "status": self.status, "exit_code": self.exit_code, "note": self.note,
                 "writes_by_op": self.writes_by_op(), "states": self.states(), "error": self.error,
                 "seconds": round(self.seconds, 1),
-                "sharded": None if self.sharded is None else vars(self.sharded),
+                "sharded": None if self.sharded is None else self.sharded.to_dict(),
                 "audit": self.audit}
 
 
@@ -209,12 +205,30 @@ def family_dir(family: Family, root: str | Path) -> Path:
     return write_config_dir(family.config, Path(root) / family.name)
 
 
-def audit_family(family: Family, root: str | Path, *, moe_dispatch: str = "auto",
+def shard_family(model_dir: Path, family: Family, *, timeout_s: float = ZOO_RUN_TIMEOUT_S + 60) -> ShardedCheck:
+    """The family decode-sharded at P=2 against ``vllm.LLM.generate``, in its own process."""
+    cmd = [sys.executable, "-m", "pcppass.integrations.vllm.sharded_check", family.name, str(model_dir),
+           "--dtype", family.dtype]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return ShardedCheck(2, "error", detail=f"timed out after {timeout_s:.0f} s")
+    lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    if not lines:
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return ShardedCheck(2, "error", detail=f"exit {out.returncode}: {last}")
+    return ShardedCheck(**json.loads(lines[-1][len(RESULT_MARKER):]))
+
+
+def audit_family(family: Family, root: str | Path, *, moe_dispatch: str = "auto", shard: bool = False,
                  timeout_s: float = FAMILY_TIMEOUT_S) -> ZooRow:
-    """Audit one family in its own process (``pcppass audit --vllm DIR --json``)."""
+    """Audit one family in its own process (``pcppass audit --vllm DIR --json``), prefix caching
+    off as the sharded run has it: vLLM's default for hybrids (``mamba_cache_mode="align"``, the
+    runner copying state blocks outside the graph) is refused; elsewhere it only decides which KV
+    blocks vLLM's scheduler reuses."""
     model_dir = family_dir(family, root)
     cmd = [sys.executable, "-m", "pcppass", "audit", "--vllm", str(model_dir), "--json",
-           "--dtype", family.dtype, "--moe-dispatch", moe_dispatch]
+           "--dtype", family.dtype, "--moe-dispatch", moe_dispatch, "--no-prefix-caching"]
     start = time.perf_counter()
     row = ZooRow(family.name, family.architecture, family.dtype, exit_code=-1, note=family.note)
     try:
@@ -230,22 +244,26 @@ def audit_family(family: Family, root: str | Path, *, moe_dispatch: str = "auto"
     else:
         lines = [line.removeprefix(ERROR_PREFIX) for line in out.stderr.splitlines() if line.startswith(ERROR_PREFIX)]
         row.error = lines[-1] if lines else (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-    if row.audit is not None and row.audit["ok"] and family.name in SHARDED_CHECKS:
-        row.sharded = SHARDED_CHECKS[family.name](model_dir, family)
+    if row.audit is not None and row.audit["ok"]:
+        check = SHARDED_CHECKS.get(family.name, shard_family if shard else None)
+        if check is not None:
+            row.sharded = check(model_dir, family)
     return row
 
 
-def run_zoo(names: list[str] | None = None, *, moe_dispatch: str = "auto", jobs: int = 2,
+def run_zoo(names: list[str] | None = None, *, moe_dispatch: str = "auto", jobs: int = 2, shard: bool = False,
             progress: Callable[[ZooRow], None] | None = None) -> list[ZooRow]:
-    """Audit every family in ``names`` (default: all), one process each, ``jobs`` at a time; the
-    rows in the order of ``names``."""
+    """Audit every family in ``names`` (default: all), one process each, ``jobs`` at a time, and
+    with ``shard`` run each covered one decode-sharded (:func:`shard_family`); the rows in the
+    order of ``names``."""
     unknown = [n for n in names or () if n not in FAMILIES]
     if unknown:
         raise KeyError(f"no zoo family {', '.join(unknown)} (known: {', '.join(FAMILIES)})")
     families = [FAMILIES[name] for name in names or FAMILIES]
     with tempfile.TemporaryDirectory(prefix="pcppass-zoo-") as root, \
             ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(audit_family, family, root, moe_dispatch=moe_dispatch) for family in families]
+        futures = [pool.submit(audit_family, family, root, moe_dispatch=moe_dispatch, shard=shard)
+                   for family in families]
         if progress is not None:
             for future in as_completed(futures):
                 progress(future.result())
@@ -267,10 +285,20 @@ def _writes_cell(row: ZooRow) -> str:
 
 
 def _sharded_cell(row: ZooRow) -> str:
-    if row.sharded is None:
+    check = row.sharded
+    if check is None:
         return "not run"
-    return f"P={row.sharded.ranks}: {'equal' if row.sharded.tokens_equal else 'DIFFER'}" + (
-        f" ({row.sharded.detail})" if row.sharded.detail else "")
+    if check.verdict == "yes":
+        return f"yes ({check.distinct_tokens} distinct tokens)"
+    if check.verdict == "no":
+        return f"no: {check.failures[0]}"
+    return f"{check.verdict}: {check.detail}"
+
+
+def _seconds_cell(row: ZooRow) -> str:
+    if row.sharded is None:
+        return f"{row.seconds:.0f}"
+    return f"{row.seconds:.0f} + {row.sharded.seconds:.0f}"
 
 
 def print_table(rows: list[ZooRow], console: Any) -> None:
@@ -278,24 +306,28 @@ def print_table(rows: list[ZooRow], console: Any) -> None:
 
     table = Table(title="pcppass audit --vllm --zoo", show_lines=True)
     for col in ("family", "architecture", "dtype", "audit", "writes by op (recipe, bytes per row) or refusal",
-                "state per layer (vLLM's spec)", "sharded P=2, tokens equal", "s"):
+                "state per layer (vLLM's spec)", "sharded P=2: tokens equal, replicas bitwise, rows moved",
+                "s (audit + sharded)"):
         table.add_column(col, overflow="fold")
     for row in rows:
         table.add_row(row.family, row.architecture, row.dtype, row.status, _writes_cell(row),
-                      "\n".join(row.states()), _sharded_cell(row), f"{row.seconds:.0f}")
+                      "\n".join(row.states()), _sharded_cell(row), _seconds_cell(row))
     console.print(table)
 
 
 def run_zoo_cli(args: argparse.Namespace) -> int:
-    """``pcppass audit --vllm --zoo``: the table or ``--json``; exit 0 when every family is covered,
-    1 when one is uncovered or vLLM could not build it (its row says why), 2 for an unknown family."""
+    """``pcppass audit --vllm --zoo [--shard]``: the table or ``--json``; exit 0 when every family is
+    covered and (with ``--shard``) no sharded run failed (a refusal by the adapter is not a
+    failure: the row says why), 1 when a family is uncovered, vLLM could not build it or a sharded
+    run failed (its row says why), 2 for an unknown family."""
     from rich.console import Console
 
     names = [n.strip() for n in args.families.split(",")] if args.families else None
     err = Console(file=sys.stderr)
     try:
-        rows = run_zoo(names, moe_dispatch=args.moe_dispatch, jobs=args.jobs,
-                       progress=lambda r: err.print(f"zoo: {r.family}: {r.status} ({r.seconds:.0f} s)"))
+        rows = run_zoo(names, moe_dispatch=args.moe_dispatch, jobs=args.jobs, shard=args.shard,
+                       progress=lambda r: err.print(f"zoo: {r.family}: {r.status}, sharded {_sharded_cell(r)} "
+                                                    f"({r.seconds:.0f} s)", markup=False))
     except KeyError as exc:
         err.print(f"pcppass audit --zoo: {exc.args[0]}")
         return 2
@@ -303,4 +335,5 @@ def run_zoo_cli(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
     else:
         print_table(rows, Console(file=sys.stdout, width=200))
-    return 0 if all(r.status == "covered" for r in rows) else 1
+    failed = [r for r in rows if r.sharded is not None and r.sharded.verdict in ("no", "error")]
+    return 0 if all(r.status == "covered" for r in rows) and not failed else 1
