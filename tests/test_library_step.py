@@ -219,6 +219,8 @@ def _graph_break(rank: int, fn) -> dict:
     caches = _caches()
     out = _try(step.decode, *_rows(0, rank), *caches)
     out["written"] = any(bool(c.any()) for c in caches)
+    if out["error"] is None:  # traced whole (no break on this torch): the step must be synced
+        out["as_one_rank"] = all(torch.equal(c, r) for c, r in zip(caches, _reference(1)))
     return out
 
 
@@ -396,6 +398,11 @@ def test_step_dynamo_would_run_eagerly_is_refused_before_it_writes(outcomes, sta
                                   "mark_dirty_first"])
 def test_graph_break_anywhere_is_refused_before_any_write(outcomes, case):
     for o in (r[case] for r in outcomes):
+        if case == "mark_dirty_first" and o["error"] is None:
+            # torch 2.11's Dynamo traces this autograd.Function into the graph (no break): then
+            # every replica must hold every rank's rows, as one rank running the whole step does
+            assert o["as_one_rank"], o
+            continue
         assert o["error"] == "PcpGraphBreakError", o
         assert "nothing was written" in o["message"] and "test_library_step.py" in o["message"], o
         assert not o["written"], o
