@@ -31,8 +31,10 @@ STATE_LAYER = {"nemotron_h": "model.layers.0.mixer", "qwen3_next": "model.layers
 RECIPE_BYTES = {
     # conv [3, 160] + SSM [4, 32, 16], float32; projected_states 128 + 160 + 4, float32
     "nemotron_h": {"copy_rows": (3 * 160 + 4 * 32 * 16) * 4, "rerun": (128 + 160 + 4) * 4},
-    # conv [3, 512] bfloat16 + delta-rule state [2, 128, 128] float32; mixed_qkv 512, b 2, a 2, bfloat16
-    "qwen3_next": {"copy_rows": 3 * 512 * 2 + 2 * 128 * 128 * 4, "rerun": (512 + 2 + 2) * 2},
+    # conv [3, 512] + delta-rule state [2, 128, 128], both bfloat16: vLLM 0.32 keeps a GDN layer's
+    # state in the model's dtype when mamba_ssm_cache_dtype is "auto" (only NemotronH's config
+    # promotes its SSM state to float32); mixed_qkv 512, b 2, a 2, bfloat16
+    "qwen3_next": {"copy_rows": 3 * 512 * 2 + 2 * 128 * 128 * 2, "rerun": (512 + 2 + 2) * 2},
     # window [2, 128] float32; hidden_states 128 float32
     "lfm2": {"copy_rows": 2 * 128 * 4, "rerun": 128 * 4},
 }
