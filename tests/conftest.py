@@ -11,6 +11,18 @@ if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_vllm_*.py"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_ranks_on_gloo():
+    """Ranks that :func:`pcppass.engine.launch.launch` starts without a backend run gloo, also on a
+    GPU host: the tests hand CPU tensors to their collectives, which NCCL (the default where CUDA
+    is available) cannot carry. The GPU tests name ``backend="nccl"``."""
+    import pcppass.engine.launch
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pcppass.engine.launch, "default_backend", lambda device=None: "gloo")
+        yield
+
+
 @pytest.fixture(scope="session")
 def vllm_model_dirs(tmp_path_factory):
     """The vLLM job's tiny random models, built once per session: {name: directory}."""

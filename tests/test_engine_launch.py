@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from pcppass.engine.launch import launch
+from pcppass.engine.launch import default_backend, launch
 from pcppass.runtime.collectives import all_gather_single
 
 
@@ -37,3 +37,10 @@ def test_launch_times_out_and_stops_workers():
     with pytest.raises(TimeoutError, match="of 2 ranks did not finish within 10"):
         launch(_sleep, 2, backend="gloo", timeout_s=10)
     assert time.monotonic() - start < 60  # the sleeping rank was terminated, not waited for
+
+
+def test_the_backend_follows_the_device_of_the_tensors():
+    # imported before conftest's session fixture pins launch()'s default to gloo: the real function
+    assert default_backend("cpu") == "gloo"
+    assert default_backend("cuda") == default_backend("cuda:1") == "nccl"
+    assert default_backend() == ("nccl" if torch.cuda.is_available() else "gloo")

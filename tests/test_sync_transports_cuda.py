@@ -110,7 +110,7 @@ def _replays(rank, world):
 
 
 def test_transports_replay_from_cuda_graphs_and_agree():
-    results = launch(_replays, 2, timeout_s=300)
+    results = launch(_replays, 2, backend="nccl", timeout_s=300)
     assert results[0]["peer"] == results[0]["allgather"] == results[1]["peer"]
 
 
@@ -141,4 +141,4 @@ def _conflict_and_timeout(rank, world):
 
 
 def test_conflicts_zeroed_and_barrier_times_out_on_gpus():
-    assert launch(_conflict_and_timeout, 2, timeout_s=300) == [True, True]
+    assert launch(_conflict_and_timeout, 2, backend="nccl", timeout_s=300) == [True, True]

@@ -88,13 +88,13 @@ def render(cfg: RunConfig, v: Verification, console: Console) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pcppass.engine.launch import launch
+    from pcppass.engine.launch import default_backend, launch
 
     cfg = config_from_args(args)
     console = Console()
     reference = reference_run(cfg)
     try:
-        ranks = launch(rank_main, cfg.world, cfg, timeout_s=args.timeout)
+        ranks = launch(rank_main, cfg.world, cfg, backend=default_backend(args.device), timeout_s=args.timeout)
     except RuntimeError as exc:
         if "PcpCoverageError" in str(exc):
             console.print(f"[red]pcppass refused to shard {cfg.model}[/red]:\n{exc}")

@@ -29,8 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(device: str | None = None) -> str:
+    """The process-group backend for tensors on ``device``: NCCL for ``cuda``, gloo for ``cpu``;
+    without a device, NCCL where CUDA is available. A CPU run on a GPU host must say ``cpu``: NCCL
+    has no CPU collectives ("No backend type associated with device type cpu")."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def _init(rank: int, world: int, backend: str, timeout_s: float) -> None:

@@ -297,7 +297,7 @@ def check_zoo_family(family: str, model_dir: str, dtype: str, *, ranks: int = ZO
     start = time.perf_counter()
     engine_args = zoo_engine_args(dtype)
     case = ShardedCase(family, inner="inductor", engine_args=engine_args)
-    per_rank = launch(run_sharded, ranks, model_dir, case, timeout_s=ZOO_RUN_TIMEOUT_S)
+    per_rank = launch(run_sharded, ranks, model_dir, case, backend="gloo", timeout_s=ZOO_RUN_TIMEOUT_S)  # vLLM on CPU
     refused = refusal(per_rank)
     if refused is not None:
         return ShardedCheck(ranks, "refused", detail=refused, seconds=time.perf_counter() - start)
