@@ -61,7 +61,7 @@ from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
 from pcppass.sync.fingerprint import exchange_fingerprint
 from pcppass.runtime.liveness import watch_peers
 from pcppass.runtime.state_checks import StepHistory, checking_state
-from pcppass.runtime.validate import InputValidator, validating
+from pcppass.runtime.validate import InputValidator
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +221,13 @@ class PcpBackend:
         validator = InputValidator.from_plan(gm, result.plan, rank=rank) if self.checks.inputs else None
         if device is not None:  # checks on the device, raised before the next step (no host read)
             compiled = checking(compiled, device, validator and DeviceSlotChecks.of(validator))
-        elif validator is not None:
-            compiled = validating(compiled, validator)
-        return self._counting(fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch))
+            validator = None
+        if validator is not None and not (validator.checks or validator.handle_checks):
+            validator = None
+        # the host input checks run first, before the peers' verdict: a rank's own bad input names
+        # the cause, where a peer that refused the same input first would only show as its abort
+        return self._counting(fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch,
+                                            validate=validator))
 
     def _one_rank_only(self, step: Callable) -> Callable:
         """``step``, a graph compiled for one rank (no sync), refused before it runs on a group of

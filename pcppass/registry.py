@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 from pcppass.spec import Refusal, WritePattern
 
@@ -192,3 +193,22 @@ def unregister_resolver(name: str) -> None:
 def get_resolver(name: str | None) -> Resolver | None:
     """The resolver registered under ``name``; None if there is none."""
     return _resolvers.get(name) if name else None
+
+
+@contextmanager
+def declarations_restored() -> Iterator[None]:
+    """Every pattern, refusal and resolver registered, replaced or removed inside the block is
+    undone when it ends: the built-in declarations are loaded first, so what the block changed
+    is all that goes. For an engine (or a test) running several models in one process, each with
+    its own declarations, without one model's leaking into the next."""
+    load_builtin_patterns()
+    tables = (_by_op, _by_family, _refusals, _resolvers)
+    with _lock:
+        saved = [dict(table) for table in tables]
+    try:
+        yield
+    finally:
+        with _lock:
+            for table, before in zip(tables, saved):
+                table.clear()
+                table.update(before)

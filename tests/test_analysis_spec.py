@@ -320,3 +320,22 @@ def _source_line(location: str) -> str:
     path, line = location.rsplit(":", 1)
     with open(__file__ if path.endswith("test_analysis_spec.py") else path) as f:
         return f.read().splitlines()[int(line) - 1]
+
+
+def test_declarations_made_in_a_restored_block_do_not_outlive_it():
+    from pcppass.registry import declarations_restored, get_resolver, pattern_for_op, register_resolver
+
+    builtin = pattern_for_op("aten::index_copy_")
+    assert builtin is not None
+    mine = WritePattern("spec.store_dim1", ops=("pcppass_spec::store_dim1",),
+                        caches=(CacheRole("cache", slots="index", layout=IndexedDim(1)),),
+                        row_args={"src": 1, "index": 0})
+    with declarations_restored():
+        register_pattern(mine)
+        unregister_pattern(builtin.name)
+        register_resolver("spec.restored", lambda handle: {})
+        assert pattern_for_op("pcppass_spec::store_dim1") is mine and pattern_for_op("aten::index_copy_") is None
+        assert get_resolver("spec.restored") is not None
+    assert pattern_for_op("pcppass_spec::store_dim1") is None
+    assert pattern_for_op("aten::index_copy_") is builtin
+    assert get_resolver("spec.restored") is None

@@ -19,42 +19,17 @@ from __future__ import annotations
 
 import pytest
 
-from pcppass.engine.launch import launch
-from vllm_cases import VLLM_ENV, finish_worker, start_worker
-from vllm_sharding import ShardedCase, check_sharded, first_divergence, run_cases
+from vllm_sharding import KV_IN_FORWARD, check_sharded, first_divergence
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 #: one token's K and V: 2 KV heads x 32 x fp32, twice
 ROW_BYTES = 2 * 2 * 32 * 4
-BACKEND = "vllm_kv_in_forward"
 
 
-def _as_read_only_whatever_the_backend() -> None:
-    """The declaration pcppass made before: the attention op only reads, for every backend."""
-    from pcppass.registry import register_pattern
-    from pcppass.spec import Recipe, Reviewed, WritePattern
-
-    register_pattern(WritePattern(
-        name="vllm.unified_attention_with_output", ops=("vllm::unified_attention_with_output",),
-        caches=(), reads=("layer_name",), recipe=Recipe.READ_ONLY,
-        reviewed=Reviewed("assumed", evidence="tests/test_vllm_backends.py::negative_control")), replace=True)
-
-
-@pytest.mark.timeout(900)
-def test_backend_storing_kv_in_forward_is_covered_and_sharded(vllm_model_dirs, vllm_reference_tokens, monkeypatch):
-    llm = start_worker("generate", vllm_model_dirs["llama"], backend="pcppass", register=[BACKEND], timeout_s=600)
-    for key, value in VLLM_ENV.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("VLLM_USE_LAYERNAME", "1")
-    cases = [ShardedCase("llama", inner="aot_eager", register=(BACKEND,)),
-             ShardedCase("llama", register=(BACKEND, "test_vllm_backends:_as_read_only_whatever_the_backend"),
-                         state_digest=False),
-             # last: a refused sharded step aborts the process group the cases share
-             ShardedCase("llama", register=(BACKEND, "test_vllm_backends:_as_read_only_whatever_the_backend"))]
-    dirs = {"llama": str(vllm_model_dirs["llama"])}
-    per_rank = launch(run_cases, 2, dirs, cases, timeout_s=860)
-
-    result = finish_worker(llm)
+@pytest.mark.timeout(2400)  # the session's sharded launches (vllm_sharding), if this test comes first
+def test_backend_storing_kv_in_forward_is_covered_and_sharded(vllm_sharded_two, vllm_references,
+                                                              vllm_reference_tokens):
+    result = vllm_references.results()[KV_IN_FORWARD]  # a vllm.LLM under pcppass's backend
     assert "error" not in result, result
     writes = result["writes"]
     assert not [w for w in writes if w["op"] == "vllm::unified_kv_cache_update"], writes
@@ -65,13 +40,13 @@ def test_backend_storing_kv_in_forward_is_covered_and_sharded(vllm_model_dirs, v
     assert "stores K and V inside the attention op" in kv[0]["detail"], kv[0]
     assert result["tokens"] == vllm_reference_tokens["llama"]
 
-    check_sharded("llama, K/V stored in forward, P=2", [per_rank[r][0] for r in range(2)],
+    check_sharded("llama, K/V stored in forward, P=2", vllm_sharded_two["llama, K/V in forward"],
                   vllm_reference_tokens["llama"])
-    refused = [per_rank[r][2] for r in range(2)]
+    refused = vllm_sharded_two["llama, K/V in forward, read-only"]
     assert all(r.get("error") == "PcpSyncError" for r in refused), refused
     assert all("state diverged across ranks" in r["message"] for r in refused), refused
     assert all(any(layer in r["message"] for layer in LAYERS) for r in refused), refused
-    old = [per_rank[r][1] for r in range(2)]
+    old = vllm_sharded_two["llama, K/V in forward, read-only, no digest"]
     assert all("error" not in r for r in old), old
     where = first_divergence(old)
     assert where is not None, "the attention op's K/V writes went unsynced and nothing diverged"

@@ -226,7 +226,7 @@ def vllm_env(*, layername: bool = True, **extra: str) -> dict[str, str]:
     return env
 
 
-def start_worker(task: str, model_dir: Path, *, layername: bool = True, timeout_s: float = 300,
+def start_worker(task: str, model_dir: Path | None, *, layername: bool = True, timeout_s: float = 300,
                  **options) -> subprocess.Popen:
     """Start ``tests/vllm_worker.py`` on ``task`` (see there); :func:`finish_worker` waits."""
     args = json.dumps({"task": task, "model_dir": str(model_dir), **options})
@@ -257,21 +257,23 @@ def run_worker(task: str, model_dir: Path, **kwargs) -> dict:
 
 
 class BackgroundReferences:
-    """vLLM reference runs started in the background (:func:`start_worker`): :meth:`tokens` waits
-    for them once and keeps their tokens."""
+    """vLLM runs started in the background, all in one worker process (``generate_each``):
+    :meth:`results` waits for it once and keeps what each run returned, :meth:`tokens` their tokens."""
 
-    def __init__(self, procs: dict[str, subprocess.Popen]) -> None:
-        self._procs = procs
-        self._tokens: dict[str, list[list[int]]] | None = None
+    def __init__(self, runs: dict[str, dict]) -> None:
+        self._proc = start_worker("generate_each", None, runs=runs, timeout_s=1500)
+        self._results: dict[str, dict] | None = None
+
+    def results(self) -> dict[str, dict]:
+        if self._results is None:
+            self._results = finish_worker(self._proc)
+        return self._results
 
     def tokens(self) -> dict[str, list[list[int]]]:
-        if self._tokens is None:
-            self._tokens = {name: finish_worker(proc)["tokens"] for name, proc in self._procs.items()}
-        return self._tokens
+        return {name: result["tokens"] for name, result in self.results().items() if "tokens" in result}
 
     def stop(self) -> None:
-        """Kill the runs nobody waited for (a failed or deselected test)."""
-        for proc in self._procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        """Kill the worker if nobody waited for it (a failed or deselected test)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.communicate()

@@ -34,3 +34,15 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.KVInForwardBackend")
+
+
+def declare_attention_read_only() -> None:
+    """A negative control's hook: the declaration pcppass made before backends were told apart,
+    the attention op only reads, whatever the backend."""
+    from pcppass.registry import register_pattern
+    from pcppass.spec import Recipe, Reviewed, WritePattern
+
+    register_pattern(WritePattern(
+        name="vllm.unified_attention_with_output", ops=("vllm::unified_attention_with_output",),
+        caches=(), reads=("layer_name",), recipe=Recipe.READ_ONLY,
+        reviewed=Reviewed("assumed", evidence="tests/test_vllm_backends.py::negative_control")), replace=True)

@@ -84,7 +84,20 @@ def generate(options: dict) -> dict:
     return result
 
 
-TASKS = {"generate": generate}
+def generate_each(options: dict) -> dict:
+    """:func:`generate` for each of ``options["runs"]`` (``{name: options}``) in turn, in this one
+    process (one vLLM import for all): ``{name: result}``. A run that registers a hook (an
+    attention backend override) or uses pcppass's backend must come last: neither is undone."""
+    import gc
+
+    results = {}
+    for name, run in options["runs"].items():
+        results[name] = generate(run)
+        gc.collect()
+    return results
+
+
+TASKS = {"generate": generate, "generate_each": generate_each}
 
 
 if __name__ == "__main__":

@@ -138,8 +138,13 @@ def fail_stop(group: dist.ProcessGroup | None = None) -> Iterator[None]:
 
 
 def fail_stopping(step: Callable, group: dist.ProcessGroup | None, rank: int | None,
-                  what: str, watch: liveness.PeerWatch | None = None) -> Callable:
+                  what: str, watch: liveness.PeerWatch | None = None,
+                  validate: Callable[[tuple], None] | None = None) -> Callable:
     """``step`` with fail-stop: any error it raises aborts ``group`` first (see :func:`stop_error`).
+
+    ``validate(args)`` (the host input checks) runs before anything else, the watch's verdict
+    included: when every rank got the same bad input, each names it, instead of the slower ones
+    reporting only the abort of the first.
 
     With the group's liveness ``watch``: a step is refused before it runs once the watch has a
     verdict on a peer (dead, failed, or gone from the group before this step: its collectives
@@ -149,6 +154,8 @@ def fail_stopping(step: Callable, group: dist.ProcessGroup | None, rank: int | N
 
     def run(*args: Any) -> Any:
         try:
+            if validate is not None:
+                validate(args)
             if watch is not None:
                 refuse_after_verdict(watch, rank, what)
                 watch.started += 1

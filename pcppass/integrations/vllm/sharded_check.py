@@ -145,11 +145,6 @@ def run_sharded(rank: int, world: int, model_dir: str, case: ShardedCase) -> dic
     return result
 
 
-def run_cases(rank: int, world: int, dirs: dict, cases: list[ShardedCase]) -> list[dict]:
-    """Every case in turn on this rank (one process group, one vLLM distributed state)."""
-    return [run_sharded(rank, world, dirs[case.model], case) for case in cases]
-
-
 def first_divergence(ranks: list[dict]) -> tuple[int, str] | None:
     """(step, state) of the first state tensor whose digest differs between ranks."""
     for step, per_rank in enumerate(zip(*(r["digests"] for r in ranks))):
