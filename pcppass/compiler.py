@@ -219,15 +219,15 @@ class PcpBackend:
             checks = dataclasses.replace(checks, state_digest=False)
         compiled = checking_state(compiled, gm, self.group, checks, rank, self.history)
         validator = InputValidator.from_plan(gm, result.plan, rank=rank) if self.checks.inputs else None
+        host_checks = None
         if device is not None:  # checks on the device, raised before the next step (no host read)
             compiled = checking(compiled, device, validator and DeviceSlotChecks.of(validator))
-            validator = None
-        if validator is not None and not (validator.checks or validator.handle_checks):
-            validator = None
-        # the host input checks run first, before the peers' verdict: a rank's own bad input names
-        # the cause, where a peer that refused the same input first would only show as its abort
+        else:
+            # run first, before the peers' verdict: a rank's own bad input names the cause, where a
+            # peer that refused the same input first would only show as its abort
+            host_checks = validator
         return self._counting(fail_stopping(compiled, self.group, rank, f"the {self.name} step", watch,
-                                            validate=validator))
+                                            validate=host_checks))
 
     def _one_rank_only(self, step: Callable) -> Callable:
         """``step``, a graph compiled for one rank (no sync), refused before it runs on a group of

@@ -88,12 +88,20 @@ def check_sharded(label: str, ranks: list[dict], reference: list[list[int]]) -> 
     assert not failures, f"{label}: " + "; ".join(failures)
 
 
+def forget_attention_backends() -> None:
+    """Clear vLLM's cached attention-backend lookups, which keep the class an earlier model got
+    whatever overrides are registered since."""
+    from vllm.v1.attention import selector
+
+    selector._cached_get_attn_backend.cache_clear()
+    selector._cached_get_mamba_attn_backend.cache_clear()
+
+
 @contextmanager
 def case_declarations() -> Iterator[None]:
     """What a case's hooks declare is undone after it: pcppass's patterns and resolvers, vLLM's
     attention backend overrides (and its cached backend lookups, which would keep an override's
     class), and the kernel paths counted as batch-invariant."""
-    from vllm.v1.attention import selector
     from vllm.v1.attention.backends import registry as backends
 
     from pcppass.integrations.vllm.state import VERIFIED_BATCH_INVARIANT
@@ -101,12 +109,7 @@ def case_declarations() -> Iterator[None]:
 
     saved = [(table, dict(table)) for table in (backends._ATTN_OVERRIDES, backends._MAMBA_ATTN_OVERRIDES,
                                                 VERIFIED_BATCH_INVARIANT)]
-
-    def forget_backends() -> None:
-        selector._cached_get_attn_backend.cache_clear()
-        selector._cached_get_mamba_attn_backend.cache_clear()
-
-    forget_backends()
+    forget_attention_backends()
     try:
         with declarations_restored():
             yield
@@ -114,7 +117,7 @@ def case_declarations() -> Iterator[None]:
         for table, before in saved:
             table.clear()
             table.update(before)
-        forget_backends()
+        forget_attention_backends()
 
 
 def run_isolated(rank: int, world: int, dirs: dict, cases: list[ShardedCase]) -> list[dict]:

@@ -32,16 +32,12 @@ def generate(options: dict) -> dict:
 
     from pcppass.integrations.vllm.engine_args import cpu_engine_args
 
-    from vllm_sharding import call_hook
+    from vllm_sharding import call_hook, forget_attention_backends
 
     for hook in options.get("register", ()):  # e.g. an attention backend registered over CPU_ATTN
         call_hook(hook)
-    if options.get("register"):
-        # an earlier run in this process (generate_each) left vLLM's backend lookups cached
-        from vllm.v1.attention import selector
-
-        selector._cached_get_attn_backend.cache_clear()
-        selector._cached_get_mamba_attn_backend.cache_clear()
+    if options.get("register"):  # an earlier run in this process (generate_each) cached the lookups
+        forget_attention_backends()
     args = cpu_engine_args(options["model_dir"], max_model_len=256, **options.get("engine_args", {}))
     if "moe_dispatch" in options:
         from pcppass.integrations.vllm.loaders import AUTO_FORMAT, MOE_DISPATCH, register_loaders
