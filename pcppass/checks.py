@@ -22,6 +22,11 @@ class SyncChecks:
     header: bool = True
     #: refuse a slot written by two ranks in one step
     slot_conflicts: bool = True
+    #: in a graph dynamic in the row count, compare every rank's row counts before each call
+    #: (one small host collective per step): ranks with different counts would hand the sync
+    #: all-gather buffers of different sizes. Off in ``pcppass.engine``, which pads every rank's
+    #: rows to one count computed alike on every rank (``pcppass.runtime.row_counts``)
+    row_counts: bool = True
     #: compare fingerprints through the c10d store when compiling
     compile_fingerprint: bool = True
     #: a rank that compiles alone waits this long for the others, then fails (and aborts the group)

@@ -61,6 +61,7 @@ from pcppass.runtime.failstop import fail_stopping, group_rank, raise_fail_stop
 from pcppass.sync.fingerprint import exchange_fingerprint
 from pcppass.runtime.liveness import watch_peers
 from pcppass.runtime.state_checks import StepHistory, checking_state
+from pcppass.runtime.row_counts import RowCountAgreement, agreeing_on_row_counts
 from pcppass.runtime.validate import InputValidator
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,9 @@ class PcpBackend:
             checks = dataclasses.replace(checks, state_digest=False)
         compiled = checking_state(compiled, gm, self.group, checks, rank, self.history)
         validator = InputValidator.from_plan(gm, result.plan, rank=rank) if self.checks.inputs else None
+        if self.checks.row_counts:
+            agreement = RowCountAgreement.of(gm, result.plan, result.group, device or torch.device("cpu"))
+            compiled = agreeing_on_row_counts(compiled, agreement)
         host_checks = None
         if device is not None:  # checks on the device, raised before the next step (no host read)
             compiled = checking(compiled, device, validator and DeviceSlotChecks.of(validator))

@@ -18,6 +18,8 @@ caches bitwise across ranks. Expected, before anything is written:
   refused when Dynamo reuses it on two ranks;
 * ranks whose row counts make Dynamo specialise differently (0 rows of a cache on one rank, 1 on
   the other) fail at compile time on every rank, naming the inputs, instead of a SIGABRT in gloo;
+  ranks running one graph dynamic in the row count with different counts are refused on every
+  rank before it runs, naming the counts;
 * one rank failing outside pcppass (Dynamo's ``FailOnRecompileLimitHit`` on that rank only; a user
   error between steps under ``pcppass.fail_stop()``), hanging (SIGSTOP, sockets open) or leaving
   the group ends its peer's step within seconds, naming it, while the failing rank stays alive.
@@ -250,6 +252,20 @@ def _zero_and_one_rows(rank: int) -> dict:
     return out
 
 
+def _unequal_rows_one_dynamic_graph(rank: int) -> dict:
+    """Both ranks run 2 rows, then 3 (Dynamo recompiles one graph dynamic in the row count), then
+    rank 0 runs 2 rows and rank 1 3 (a padding row) through that one graph."""
+    step = pcppass.compile(kv_step, inner="eager")
+    caches = _caches()
+    warm = [_try(step.decode, *_rows(0, rank), *caches),
+            _try(step.decode, *_rows(1, rank, padding=1), *caches)]
+    before = [c.clone() for c in caches]
+    out = _try(step.decode, *_rows(2, rank, padding=rank), *caches)
+    out.update(warm=warm, graphs=len(step.backends["decode"].reports),
+               untouched=all(torch.equal(b, c) for b, c in zip(before, caches)))
+    return out
+
+
 # -- cases: a rank failing outside pcppass's graph --------------------------------------------------
 
 def _flag(name: str) -> str:
@@ -346,6 +362,7 @@ CASES = [
     ("disabled_helper_first", lambda rank: _graph_break(rank, disabled_helper_first)),
     ("mark_dirty_first", lambda rank: _graph_break(rank, mark_dirty_first)),
     ("zero_and_one_rows", _zero_and_one_rows),
+    ("unequal_rows_one_dynamic_graph", _unequal_rows_one_dynamic_graph),
     ("recompile_limit_on_one_rank", _one_rank_recompile_limit),
     ("user_error_between_steps", _user_error_between_steps),
     ("peer_left", _peer_left),
@@ -422,6 +439,15 @@ def test_ranks_specialising_row_counts_differently_fail_at_compile_time(outcomes
         assert o["error"] == "PcpSyncError" and "ranks traced different graphs" in o["message"], o
         assert "Inputs traced differently" in o["message"] and "l_xb_" in o["message"], o
         assert not o["written"], o
+
+
+@pytest.mark.timeout(320)
+def test_ranks_running_one_dynamic_graph_with_different_row_counts_are_refused_before_it_runs(outcomes):
+    for o in (r["unequal_rows_one_dynamic_graph"] for r in outcomes):
+        assert [w["error"] for w in o["warm"]] == [None, None] and o["graphs"] == 2, o
+        assert o["error"] == "PcpSyncError" and "different row counts" in o["message"], o
+        assert "rank 0 2, rank 1 3" in o["message"] and "test_library_step.py" in o["message"], o
+        assert "nothing was written" in o["message"] and o["untouched"], o
 
 
 @pytest.mark.timeout(320)

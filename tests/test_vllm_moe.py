@@ -40,7 +40,11 @@ def test_moe_models_sharded_on_vllms_gpu_dispatch(vllm_sharded_two, vllm_sharded
             layers = [f"model.layers.{n}.mlp.experts" for n in range(2)]
             assert [(w[1], w[2]) for w in records] == [(name, "read_only") for name in layers], ranks[0]["writes"]
     # at P=4 vLLM's layer names are plain strings: the other handle encoding of moe_forward
-    check_sharded("qwen3_moe P=4", vllm_sharded_four["qwen3_moe"], vllm_reference_tokens["qwen3_moe"])
+    for model in ("qwen3_moe", "deepseek_v2_moe", "mixtral"):
+        check_sharded(f"{model} P=4", vllm_sharded_four[model], vllm_reference_tokens[model])
+        if model in MOE_OPS:
+            records = _moe_records(vllm_sharded_four[model][0], MOE_OPS[model])
+            assert records and all(w[2] == "read_only" for w in records), vllm_sharded_four[model][0]["writes"]
 
 
 def test_an_moe_layer_recording_expert_loads_is_refused():

@@ -75,6 +75,8 @@ TWO_RANKS: dict[str, ShardedCase] = {
 #: so the other encoding needs its own launch anyway)
 FOUR_RANKS: dict[str, ShardedCase] = {
     "qwen3_moe": ShardedCase("qwen3_moe", moe_dispatch_op=True),  # first: the expert-parallel group
+    "deepseek_v2_moe": ShardedCase("deepseek_v2_moe", moe_dispatch_op=True),
+    "mixtral": ShardedCase("mixtral", inner="aot_eager"),
     "llama": ShardedCase("llama", inner="aot_eager"),
     "deepseek_v2": ShardedCase("deepseek_v2"),
 }

@@ -17,6 +17,9 @@ NCCL steps keep the functional collectives: the watch aborts the communicator, w
 
 from __future__ import annotations
 
+import pickle
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -71,3 +74,30 @@ def all_gather_wait(gathered: torch.Tensor, group_name: str) -> torch.Tensor:
 @all_gather_wait.register_fake
 def _(gathered, group_name):
     return torch.empty_like(gathered)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side gathers of pcppass's own checks (the state digest, the row-count agreement), waited
+# for under the liveness watch like the graph's: a hung peer ends them in seconds on gloo.
+# ---------------------------------------------------------------------------------------------
+
+
+def all_gather_watched(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
+    """``[world, *tensor.shape]``: every rank's ``tensor`` (the same shape on all ranks)."""
+    world = dist.get_world_size(group)
+    flat = tensor.contiguous().reshape(-1)
+    every = flat.new_empty((world * flat.numel(),))
+    wait_watched(all_gather_single(every, flat, group=group, async_op=True), group, what)
+    return every.view(world, *tensor.shape)
+
+
+def all_gather_object_watched(obj: Any, group: dist.ProcessGroup | None, device: torch.device,
+                              what: str) -> list[Any]:
+    """Every rank's picklable ``obj`` (``dist.all_gather_object``, whose waits cannot be watched):
+    the sizes, then the bytes padded to the largest."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = all_gather_watched(torch.tensor([data.numel()], device=device), group, what).reshape(-1).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[:data.numel()] = data
+    every = all_gather_watched(padded.to(device), group, what).cpu()
+    return [pickle.loads(every[r, :n].numpy().tobytes()) for r, n in enumerate(sizes)]

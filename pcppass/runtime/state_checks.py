@@ -41,6 +41,7 @@ import torch.fx
 
 from pcppass.checks import SyncChecks
 from pcppass.errors import PcpSyncError
+from pcppass.runtime.collectives import all_gather_object_watched, all_gather_watched
 from pcppass.sync.rows import restoring_on_failure
 
 #: set by :func:`digest_forced`
@@ -284,9 +285,8 @@ class StateDigestCheck:
         after = _digests(args)
         mine = torch.cat([self._before, after], dim=1).to(_collective_device(self.group))
         world = dist.get_world_size(self.group)
-        every_rank = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every_rank, mine, group=self.group)
-        every = torch.stack([r.cpu() for r in every_rank])  # [world, args, 4]: before, after
+        # [world, args, 4]: before, after
+        every = all_gather_watched(mine, self.group, "the state digest all-gather").cpu()
         changed = (every[:, :, :2] != every[:, :, 2:]).any(dim=2).any(dim=0)
         differs_after = (every[:, :, 2:] != every[:1, :, 2:]).any(dim=2).any(dim=0)
         differs_before = (every[:, :, :2] != every[:1, :, :2]).any(dim=2).any(dim=0)
@@ -326,8 +326,8 @@ class StateDigestCheck:
         mine = [(tuple(t.shape), str(t.dtype), tuple(b), tuple(a)) for t, b, a in
                 zip(self._outside, self._outside_before.tolist(), after.tolist()) if b != a]
         tensors = [t for t, b, a in zip(self._outside, self._outside_before.tolist(), after.tolist()) if b != a]
-        every_rank: list[Any] = [None] * world
-        dist.all_gather_object(every_rank, mine, group=self.group)
+        every_rank = all_gather_object_watched(mine, self.group, _collective_device(self.group),
+                                               "the state digest all-gather")
         names = [f"{holder_name(tensors[i], ignore=(self._outside, tensors))} (outside the graph)"
                  for i in _unmatched(mine, every_rank)]
         if not names and any(_unmatched(entries, every_rank) for entries in every_rank):

@@ -51,7 +51,7 @@ class SlotInputCheck:
         return 0 if self.aten_family else -1
 
 
-class _Symbols:
+class GraphSymbols:
     """Where each size symbol of the graph can be read from the call's arguments."""
 
     def __init__(self, placeholders: Sequence[torch.fx.Node]):
@@ -98,7 +98,7 @@ class InputValidator:
     """Checks the slot-mapping inputs of one rewritten graph (see the module docstring), and the
     cache handles it was compiled for."""
 
-    def __init__(self, checks: list[SlotInputCheck], symbols: _Symbols, rank: int | None = None,
+    def __init__(self, checks: list[SlotInputCheck], symbols: GraphSymbols, rank: int | None = None,
                  handle_checks: Sequence[HandleInputCheck] = ()):
         self.checks = checks
         self.symbols = symbols
@@ -122,7 +122,7 @@ class InputValidator:
                 # one mapping feeding a skipping op and an aten write: the aten rule is stricter
                 if key not in checks or (check.aten_family and not checks[key].aten_family):
                     checks[key] = check
-        return cls(list(checks.values()), _Symbols(placeholders), rank, _handle_checks(plan, index))
+        return cls(list(checks.values()), GraphSymbols(placeholders), rank, _handle_checks(plan, index))
 
     def __call__(self, args: Sequence[Any]) -> None:
         for check in self.handle_checks:

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from pcppass.errors import PcpSyncError
-from pcppass.sync.row_kernels import MAILBOX_FLAGS, MAX_WORLD
+from pcppass.sync.mailbox import MAILBOX_FLAGS
+from pcppass.sync.row_kernels import MAX_WORLD
 
 #: bytes of one rank's chunk (header + payloads) in a mailbox half
 DEFAULT_MAILBOX_CAPACITY = 1 << 20

@@ -49,6 +49,7 @@ from typing import Callable, Sequence
 import torch
 
 from pcppass.sync import device_checks
+from pcppass.sync.mailbox import MAILBOX_FLAGS
 from pcppass.spec import ResolvedLayout
 
 #: segments a row may have in a kernel-addressed cache (the rest use the plain-torch ops)
@@ -66,8 +67,6 @@ CHECK_ROWS = 32
 TILE_FIELDS = 17 + MAX_WORLD
 #: entry kinds
 ROWS, ARG_BYTES, ADDRESS_BYTES = 0, 1, 2
-#: bytes before a mailbox's data: one int64 epoch flag per rank (row_kernels_triton.MAILBOX_FLAGS)
-MAILBOX_FLAGS = 256
 
 #: int64 fields of a store-table entry: cache pointer, rows, row offset, slot offset, bytes per
 #: row, block size, block stride, number of slots, then (base, stride, length, offset) per segment

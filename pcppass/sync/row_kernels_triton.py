@@ -40,8 +40,8 @@ written with plain stores, never read back on the device; see ``pcppass.sync.dev
 import triton
 import triton.language as tl
 
-from pcppass.sync import row_kernels
 from pcppass.sync import device_checks as status_words
+from pcppass.sync import mailbox
 
 F_KIND = tl.constexpr(0)
 F_CACHE = tl.constexpr(1)
@@ -79,7 +79,7 @@ S_OUT_OF_STEP = tl.constexpr(status_words.OUT_OF_STEP)
 CONFLICT = tl.constexpr(1)
 HEADERS_DIFFER = tl.constexpr(2)
 #: bytes before the data of a mailbox: one int64 epoch flag per rank (written by that rank)
-MAILBOX_FLAGS = tl.constexpr(row_kernels.MAILBOX_FLAGS)
+MAILBOX_FLAGS = tl.constexpr(mailbox.MAILBOX_FLAGS)
 MOST_NEGATIVE = tl.constexpr(-9223372036854775807)
 
 
