@@ -33,7 +33,8 @@ class SimReplicas:
         self.capacity = CAPACITY
         self.mailbox = ranks[me]["mailbox"]
         self.counters = ranks[me]["counters"]
-        self.mailbox_deltas = torch.tensor([r["mailbox"].data_ptr() - self.mailbox.data_ptr() for r in ranks])
+        self.mailbox_deltas_host = tuple(r["mailbox"].data_ptr() - self.mailbox.data_ptr() for r in ranks)
+        self.mailbox_deltas = torch.tensor(self.mailbox_deltas_host)
         self.limit = limit
         self.agreed = []
 
@@ -90,6 +91,26 @@ def test_peer_stores_give_every_rank_the_reference_rows(world):
     sync_all(ranks, slots2, other)
     assert_replicas(ranks, expected)
     assert all(int(r["counters"][0]) == 2 for r in ranks)
+
+
+def test_a_peer_with_new_replicas_gets_the_rows_not_its_old_addresses():
+    """Rank 0 keeps its caches and mailbox (same addresses, so the same launch-table key as far as
+    this rank's own tensors go); rank 1 comes back with new ones. The stores must land in rank 1's
+    new replicas: a table reused from the first sync would store into its old ones."""
+    slots = [torch.tensor([3, -1, 9, 0]), torch.tensor([17, 5, -1, 22])]
+    other = [torch.tensor([11, 1, -1, 7]), torch.tensor([-1, -1, 20, 2])]
+    first = make_ranks(2, slots, other)
+    sync_all(first, slots, other)
+    fresh = make_ranks(2, slots, other)
+    for mine, new in zip(first[0]["caches"], fresh[0]["caches"]):
+        mine.copy_(new)  # rank 0: its old tensors, new contents
+    first[0]["mailbox"].zero_()
+    first[0]["counters"].zero_()
+    ranks = [first[0], fresh[1]]  # rank 1: new tensors, while its old ones stay alive
+    old_rank1 = [c.clone() for c in first[1]["caches"]]
+    sync_all(ranks, slots, other)
+    assert_replicas(ranks[1:], expected_replica(ranks, slots, other, 1))
+    assert all(torch.equal(a, b) for a, b in zip(first[1]["caches"], old_rank1))
 
 
 def test_slot_written_by_two_ranks_is_zeroed_on_every_replica_and_reported():

@@ -114,6 +114,8 @@ class SymmetricReplicas:
     world: int = field(init=False)
     mailbox: torch.Tensor = field(init=False)
     mailbox_deltas: torch.Tensor = field(init=False)
+    #: the same distances on the host (a key of the launch tables, read with no device sync)
+    mailbox_deltas_host: tuple[int, ...] = field(init=False)
     counters: torch.Tensor = field(init=False)
     _deltas: dict[int, tuple[int, ...]] = field(init=False, default_factory=dict)
 
@@ -128,8 +130,8 @@ class SymmetricReplicas:
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(self.group_name)
         self.mailbox = symmetric_zeros((MAILBOX_FLAGS + 2 * self.world * self.capacity,), torch.uint8, self.device)
-        self.mailbox_deltas = torch.tensor(self._allocation_deltas(self.mailbox), dtype=torch.int64,
-                                           device=self.device)
+        self.mailbox_deltas_host = tuple(self._allocation_deltas(self.mailbox))
+        self.mailbox_deltas = torch.tensor(self.mailbox_deltas_host, dtype=torch.int64, device=self.device)
         self.counters = torch.zeros(2, dtype=torch.int64, device=self.device)
 
     @property

@@ -56,6 +56,8 @@ class Replicas(Protocol):
     capacity: int
     mailbox: torch.Tensor
     mailbox_deltas: torch.Tensor
+    #: ``mailbox_deltas`` on the host
+    mailbox_deltas_host: tuple[int, ...]
     counters: torch.Tensor
 
     @property
@@ -117,18 +119,22 @@ def store(
     counts = [s.numel() for s in cache_slots]
     segs = list(dict.fromkeys(slots_segments))
     launch_args = row_kernels.byte_args(args.tensors, reps.mailbox)
+    # The table holds absolute addresses of every replica: the peers' addresses are part of the
+    # key, or caches reallocated at this rank's old addresses would reuse a table that stores
+    # into where the peers' old caches were.
+    peers = (tuple(reps.deltas(c) for c in caches), reps.mailbox_deltas_host)
     key = ("peer", row_kernels.cache_key(caches), tuple(layouts), tuple(counts), tuple(slot_args),
            tuple(payload_args), tuple(sizes), tuple(slots_segments), row_kernels.alignment_key(launch_args),
-           head.data_ptr(), reps.mailbox.data_ptr(), sites)
+           head.data_ptr(), reps.mailbox.data_ptr(), sites, peers)
 
     def build():
         reps.agree("caches", caches)
-        box = tuple(int(d) for d in reps.mailbox_deltas.tolist())
+        box = peers[1]
         box_terms = (reps.mailbox.data_ptr(), reps.capacity, row_kernels.MAILBOX_FLAGS)
         entries = [row_kernels.bytes_entry(kind=row_kernels.ADDRESS_BYTES, source=head.data_ptr(),
                                            nbytes=head.numel(), buf=0, deltas=box, aligned_with=box_terms)]
         for i, (cache, addr) in enumerate(zip(caches, addressings)):
-            deltas = reps.deltas(cache)
+            deltas = peers[0][i]
             what = device_checks.label(labels[i])
             for piece in row_kernels.pieces(cache, addr):
                 entries.append(row_kernels.rows_entry(piece, rows=counts[i], arg=slot_args[i], label=what,
