@@ -24,8 +24,9 @@ class SyncChecks:
     slot_conflicts: bool = True
     #: in a graph dynamic in the row count, compare every rank's row counts before each call
     #: (one small host collective per step): ranks with different counts would hand the sync
-    #: all-gather buffers of different sizes. Off in ``pcppass.engine``, which pads every rank's
-    #: rows to one count computed alike on every rank (``pcppass.runtime.row_counts``)
+    #: all-gather buffers of different sizes. Off in the engine's runners (``ShardedRunner``, the
+    #: vLLM adapter's ``VllmRunner``): the engine pads every rank's rows to one count computed alike
+    #: on every rank (``pcppass.runtime.row_counts``)
     row_counts: bool = True
     #: compare fingerprints through the c10d store when compiling
     compile_fingerprint: bool = True

@@ -30,9 +30,7 @@ backend had to keep decode replicated (uncovered writes with ``on_uncovered="rep
 
 from __future__ import annotations
 
-import dataclasses
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -89,7 +87,7 @@ class ShardedRunner:
         # checks around a step that Dynamo would run without them, and fail-stop.
         # The engine pads every rank's rows to one count that every rank computes alike from the
         # same plan (pcppass.engine.layout), so the per-step row-count agreement has nothing to find.
-        checks = dataclasses.replace(checks, row_counts=False)
+        checks = replace(checks, row_counts=False)
         self.step = ShardedStep(model, group=group, inner=inner, on_uncovered=on_uncovered,
                                 dcp_size=dcp_size, checks=checks, decode_schedule=decode_schedule)
         self.decode_backend = self.step.backends["decode"]

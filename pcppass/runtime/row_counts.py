@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from pcppass.analysis.views import node_value
 from pcppass.errors import PcpSyncError
 from pcppass.rewrite.plan import SyncPlan, size_expr
 from pcppass.runtime.collectives import all_gather_watched
@@ -46,22 +47,16 @@ class RowCount:
     expr: Any  # sympy expression in the graph's size symbols
 
 
-def _fake(node: Any) -> Any:
-    if not isinstance(node, torch.fx.Node):
-        return None
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
 def _site_counts(site) -> list[RowCount]:
     """The dynamic sizes of a site's per-row inputs and slot mappings."""
     where = f"{site.op} ({site.source})"
     counts = []
     for name, dim in {**site.pattern.row_args, **site.row_args}.items():
-        fake = _fake(site.arguments.get(name))
+        fake = node_value(site.arguments.get(name))
         if isinstance(fake, torch.Tensor) and fake.dim() > dim:
             counts.append(RowCount(f"rows of {name} at {where}", size_expr(fake.shape[dim])))
     for cache in site.caches:
-        fake = _fake(cache.slots)
+        fake = node_value(cache.slots)
         if isinstance(fake, torch.Tensor):
             counts.append(RowCount(f"slots of {cache.state} at {where}", size_expr(fake.numel())))
     return [c for c in counts if not isinstance(c.expr, int)]

@@ -284,14 +284,13 @@ class StateDigestCheck:
     def after(self, args: Sequence[Any]) -> None:
         after = _digests(args)
         mine = torch.cat([self._before, after], dim=1).to(_collective_device(self.group))
-        world = dist.get_world_size(self.group)
         # [world, args, 4]: before, after
         every = all_gather_watched(mine, self.group, "the state digest all-gather").cpu()
         changed = (every[:, :, :2] != every[:, :, 2:]).any(dim=2).any(dim=0)
         differs_after = (every[:, :, 2:] != every[:1, :, 2:]).any(dim=2).any(dim=0)
         differs_before = (every[:, :, :2] != every[:1, :, :2]).any(dim=2).any(dim=0)
         diverged = [self.names[i] for i in range(len(args)) if changed[i] and differs_after[i]]
-        outside = self._outside_diverged(world)
+        outside = self._outside_diverged()
         if diverged or outside:
             raise PcpSyncError(
                 f"pcppass: rank {self.rank}: state diverged across ranks in this step (written in it, "
@@ -314,7 +313,7 @@ class StateDigestCheck:
                 "pattern; SyncChecks(digest_every=1) checks every call and names the step."
             )
 
-    def _outside_diverged(self, world: int) -> list[str]:
+    def _outside_diverged(self) -> list[str]:
         """Live tensors outside the graph that this step changed on some rank but not alike on
         all (matched by shape, dtype and digest before and after, so no rank needs the others'
         names): named by what holds them on this rank."""

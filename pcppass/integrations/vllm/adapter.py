@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import torch
@@ -326,6 +326,9 @@ class VllmRunner:
             raise ValueError("VllmRunner shards decode: on_uncovered must be 'raise' (or 'unsafe_ignore' "
                              "in a negative control); run a replicated engine to keep decode replicated")
         self.model = model
+        # The engine pads every rank's rows to one count (pcppass.engine.layout): the per-step
+        # row-count agreement would find nothing.
+        checks = replace(checks, row_counts=False)
         # whole_step: compiled with fullgraph=True, so the graph is the whole step
         self.decode_backend = PcpBackend(group=group, schedule="deferred", inner=inner,
                                          on_uncovered=on_uncovered, checks=checks, name="decode",
