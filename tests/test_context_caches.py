@@ -9,7 +9,10 @@ dead-code elimination: checked under eager, aot_eager and Inductor. After a step
 bitwise identical on both ranks and holds every rank's rows; the next step's outputs (which read
 the whole cache) equal a single-rank run's. A handle whose resolver is not registered is refused
 at compile time; a cache whose rows no longer match the compiled layout, and a handle other than
-the one the graph was compiled for, are refused at run time before anything is written.
+the one the graph was compiled for, are refused at run time before anything is written. Two
+ranks writing one slot (of a context cache, or of a graph cache synced in the same collective; under
+the immediate schedule, of the last layer's cache after the first layer's rows were synced): every
+rank raises the same error and every cache, context and graph, is as it was before the step.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
+import pcppass.ops  # noqa: F401  (pcppass::reshape_and_cache_flash)
 from pcppass.compiler import PcpBackend
 from pcppass.engine.launch import launch
 from pcppass.errors import PcpCoverageError, PcpSyncError
@@ -311,3 +315,88 @@ def test_graph_called_with_another_handle_is_refused_before_it_runs():
         assert result is not None and result[0] == "PcpInputError", result
         assert "compiled for 'layers." in result[1] and "Handle" in result[1], result[1]
         assert result[2], "a refused step wrote a cache"
+
+
+class MixedModel(Model):
+    """A graph cache pair written by ``pcppass::reshape_and_cache_flash``, then the context
+    layers: one collective syncs both kinds."""
+
+    def forward(self, x, slots, k, v):
+        one = torch.ones(())
+        rows = x.view(-1, 2, 4)
+        torch.ops.pcppass.reshape_and_cache_flash(rows, rows * 2, k, v, slots, "auto", one, one)
+        return super().forward(x)
+
+
+def _two_owner_step(rank: int, world: int, group, model: torch.nn.Module, inner: str, conflict: str,
+                    schedule: str = "deferred"):
+    """Step 0 as usual, then a step in which both ranks also write slot 20 of the context caches
+    (``conflict="context"``; ``"context_last"``: of the last layer's only, after the first layer's
+    rows were synced under the immediate schedule) or of the graph caches (``"graph"``): the
+    error, and every cache's bytes before and after the refused step."""
+    register_resolver("ctxtest", resolve, replace=True)
+    _fresh_context()
+    torch._dynamo.reset()
+    k, v = torch.zeros(BLOCKS, BLOCK, 2, 4), torch.zeros(BLOCKS, BLOCK, 2, 4)
+    mixed = isinstance(model, MixedModel)
+    compiled = torch.compile(model, backend=PcpBackend(group=group, inner=inner, schedule=schedule),
+                             fullgraph=True)
+
+    def run(x, context_slots, graph_slots, last_layer_slots=None):
+        _set_slots(context_slots)
+        if last_layer_slots is not None:
+            CONTEXT[LAYERS[-1]]["slots"] = last_layer_slots
+        return compiled(x, graph_slots, k, v) if mixed else compiled(x)
+
+    def state() -> list[bytes]:
+        tensors = [CONTEXT[name]["kv"] for name in LAYERS] + ([k, v] if mixed else [])
+        return [t.numpy().tobytes() for t in tensors]
+
+    x, slots = _step_inputs(0, rank, world)
+    run(x, slots, slots)
+    before = state()
+    x, slots = _step_inputs(1, rank, world)
+    both = slots.clone()
+    both[-1] = 20  # the padding row writes slot 20 on every rank
+    try:
+        run(x, both if conflict == "context" else slots, both if conflict == "graph" else slots,
+            both if conflict == "context_last" else None)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}", before, state()
+    return None, before, state()
+
+
+#: name: (graph caches too, inner compiler, where two ranks write slot 20, schedule)
+TWO_OWNER_CASES = {
+    "context_eager": (False, "eager", "context", "deferred"),
+    "context_inductor": (False, "inductor", "context", "deferred"),
+    "mixed_graph_conflict": (True, "eager", "graph", "deferred"),
+    "mixed_context_conflict": (True, "inductor", "context", "deferred"),
+    "immediate_last_layer_eager": (False, "eager", "context_last", "immediate"),
+    "immediate_last_layer_inductor": (False, "inductor", "context_last", "immediate"),
+    "immediate_mixed_last_layer": (True, "inductor", "context_last", "immediate"),
+}
+
+
+def _rank_two_owners(rank: int, world: int) -> dict:
+    out = {}
+    for name, (mixed, inner, conflict, schedule) in TWO_OWNER_CASES.items():
+        model = MixedModel(False) if mixed else Model(False)
+        out[name] = _two_owner_step(rank, world, dist.new_group(list(range(world))), model, inner, conflict,
+                                    schedule)
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_a_refused_two_owner_step_leaves_every_cache_as_before():
+    ranks = launch(_rank_two_owners, 2, timeout_s=380)
+    for name in TWO_OWNER_CASES:
+        (error, before, _), (error1, before1, _) = ranks[0][name], ranks[1][name]
+        assert error == error1, (name, error, error1)
+        assert error is not None and error.startswith("PcpSyncError: "), (name, error)
+        assert "slot 20 was written by ranks [0, 1]" in error, (name, error)
+        assert "every replica holds what it held before the step" in error, (name, error)
+        assert before == before1 and any(any(b) for b in before), name
+        for rank in range(2):
+            assert ranks[rank][name][2] == ranks[rank][name][1], \
+                f"{name}: rank {rank}'s caches changed although the step was refused"

@@ -11,7 +11,8 @@ both byte counts recorded either way. Rows change owner every step. After every 
 are bitwise equal on both ranks and equal to one process applying every row's update, with one
 collective per step, under eager, aot_eager and Inductor (the re-run op has no graph output: it
 must survive dead-code elimination). Two ranks writing one state line: every rank raises the same
-error before re-running anything.
+error before re-running anything, and every state is as it was before the step on every rank
+(each rank writes back the lines its own op advanced, from the snapshot taken before the op).
 """
 
 from __future__ import annotations
@@ -125,21 +126,19 @@ def _rank_run(rank: int, world: int, inner: str, exact: bool, steps: int = 3):
     return states, report.all_gather_nodes, [(w.state, w.recipe.value, dict(w.recipe_bytes)) for w in report.writes]
 
 
-def _rank_conflict(rank: int, world: int) -> tuple[str, str, bool] | None:
+def _rank_conflict(rank: int, world: int) -> tuple[str, str, list[bytes], list[bytes]] | None:
     """Both ranks advance line 1 in one step, each also its own line 2 + rank: the refusal, and
-    whether the other rank's own line was left as it was (nothing re-run before the raise)."""
+    every layer's whole state before and after the refused step."""
     register_resolver("ctxrerun", resolve, effect=_effect(True), rerun=rerun, replace=True)
     _fresh()
     compiled = torch.compile(Model(), backend=PcpBackend(inner="eager", schedule="deferred"), fullgraph=True)
     x, _ = _step(0, rank, world)
     _set_lines(torch.tensor([1, 2 + rank, -1, -1]))
-    other = 2 + (1 - rank)
-    before = {name: CONTEXT[name]["state"][other].clone() for name in LAYERS}
+    before = [CONTEXT[name]["state"].numpy().tobytes() for name in LAYERS]
     try:
         compiled(x)
     except Exception as exc:  # noqa: BLE001
-        untouched = all(torch.equal(CONTEXT[n]["state"][other], before[n]) for n in LAYERS)
-        return type(exc).__name__, str(exc), untouched
+        return type(exc).__name__, str(exc), before, [CONTEXT[name]["state"].numpy().tobytes() for name in LAYERS]
     return None
 
 
@@ -184,11 +183,15 @@ def test_context_state_rerun_or_copy_by_bytes():
                 for name in LAYERS:
                     assert torch.equal(torch.from_numpy(states[step][name]), reference[step][name]), \
                         (inner, exact, rank, step, name)
-    for rank in range(world):
-        conflict = ranks[rank][1]
+    conflicts = [ranks[rank][1] for rank in range(world)]
+    for conflict in conflicts:
         assert conflict is not None and conflict[0] == "PcpSyncError", conflict
-        assert "state line 1" in conflict[1] and "ranks [0, 1]" in conflict[1], conflict[1]
-        assert conflict[2], "a conflicting step re-ran other lines before raising"
+        assert conflict[1] == conflicts[0][1], "ranks raised different errors"
+        assert "writing layers.0: slot 1 was written by ranks [0, 1]" in conflict[1], conflict[1]
+        assert "every replica holds what it held before the step" in conflict[1], conflict[1]
+        # every line as before the step: line 1 (both ranks advanced it) and each rank's own line
+        assert conflict[3] == conflict[2], "a replica's state changed although the step was refused"
+    assert conflicts[0][2] == conflicts[1][2]
 
 
 def test_alternative_recipes_are_checked():

@@ -67,6 +67,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.fx
 
+import pcppass.sync.context_restore  # noqa: F401  (registers pcppass::sync_context_snapshot, _verdict)
 import pcppass.sync.rerun_context  # noqa: F401  (registers pcppass::sync_rerun_context)
 import pcppass.sync.rows  # noqa: F401  (registers the pcppass::sync_* ops)
 from pcppass.analysis.views import node_value
@@ -168,6 +169,18 @@ class WrittenRows:
 
 
 @dataclass(frozen=True)
+class ContextWritten:
+    """A context-addressed cache a site writes, and where the gathered buffer holds every rank's
+    slots of those rows (the rows' slots, or a re-run's state lines): what the context verdict
+    checks and the site's context snapshot covers."""
+
+    site: SyncSite
+    ref: ContextRef
+    layout: ResolvedLayout
+    slots_segment: int
+
+
+@dataclass(frozen=True)
 class RerunInputs:
     """A re-run site's per-row inputs: schema argument name -> payload segment number; for a
     context-addressed site, also the payload carrying its rows' state lines (read at run time)."""
@@ -194,6 +207,11 @@ class Segments:
     context_after: tuple[torch.fx.Node, ...] = ()
     #: every graph cache the sites write, with its slot segment (the verdict's entries)
     written: tuple[WrittenRows, ...] = ()
+    #: every context-addressed cache the sites write, with its slot segment, in site order
+    context_written: tuple[ContextWritten, ...] = ()
+    #: no later collective of the step writes a context-addressed cache: this one's verdict is
+    #: the last that can refuse the step (deferred: always; immediate: the last such site's)
+    context_final: bool = True
     #: the deferred schedule: a refused step writes back what the sites wrote (snapshots)
     restore: bool = False
 
@@ -273,7 +291,8 @@ class _SegmentCollector:
         return self._payload_index[key]
 
 
-def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot: bool) -> Segments:
+def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot: bool,
+                     context_final: bool = True) -> Segments:
     """The segments that sync ``sites``: every cache written by a ``COPY_ROWS`` site (its slots
     as a payload; a context-addressed cache's rows and slots, read at run time, as two payloads)
     and every per-row input of a ``RERUN`` site, as payloads (a context-addressed one's state
@@ -315,7 +334,8 @@ def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot:
         sites=tuple(sites), rows=rows, payloads=tuple(collector.payloads), reruns=rerun_inputs,
         context_after=_step_outputs(emit.graph) if snapshot and (
             contexts or any(lines is not None for _, _, lines in reruns)) else (),
-        written=_written_rows(rows, rerun_inputs), restore=snapshot,
+        written=_written_rows(rows, rerun_inputs), context_written=_context_written(rows, rerun_inputs),
+        context_final=context_final, restore=snapshot,
     )
 
 
@@ -342,6 +362,18 @@ def _written_rows(rows: Sequence[CacheRows], reruns: Sequence[RerunInputs]) -> t
             if role.slots in rerun.segments:
                 written.append(WrittenRows(rerun.site, c.state, c.cache, c.slots, rerun.segments[role.slots],
                                            c.layout))
+    return tuple(sorted(written, key=lambda w: w.site.index))
+
+
+def _context_written(rows: Sequence[CacheRows], reruns: Sequence[RerunInputs]) -> tuple[ContextWritten, ...]:
+    """Every context-addressed cache the sites write with its slot segment, grouped by site in
+    graph order (one context snapshot per site covers its entries)."""
+    written = [ContextWritten(r.site, r.cache, r.layout, r.slots_segment)
+               for r in rows if isinstance(r.cache, ContextRef)]
+    for rerun in reruns:
+        if rerun.lines is not None:
+            written += [ContextWritten(rerun.site, c.cache, c.layout, rerun.lines)
+                        for c in rerun.site.caches if isinstance(c.cache, ContextRef)]
     return tuple(sorted(written, key=lambda w: w.site.index))
 
 
@@ -510,6 +542,74 @@ def emit_snapshots(emit: GraphEmitter, segments: Segments) -> list[tuple[torch.f
     return snapshots
 
 
+def _lines(values: Sequence[str]) -> str:
+    return "\n".join(v.replace("\n", " ") for v in values)
+
+
+def _ordering_input(site: SyncSite) -> torch.fx.Node:
+    """A tensor the site's op reads and does not write (a per-row input first: the cheapest to
+    copy): the op takes the context snapshot's copy of it, so it cannot run before the snapshot."""
+    written = set(written_arg_names(site.node))
+    names = [*site.pattern.row_args, *site.arguments]
+    for name in names:
+        value = site.arguments.get(name)
+        if name not in written and isinstance(value, torch.fx.Node) and isinstance(node_value(value), torch.Tensor):
+            return value
+    raise PlanError(f"{site.label}: a context-addressed write site needs a tensor input it does not "
+                    f"write, to order the snapshot of its caches before it")
+
+
+def emit_context_snapshots(emit: GraphEmitter,
+                           segments: Segments) -> list[tuple[torch.fx.Node, list[ContextWritten]]]:
+    """``pcppass.sync_context_snapshot`` of every context-addressed cache a site writes, right
+    before the site, which takes the snapshot's copy of one of its inputs
+    (:mod:`pcppass.sync.context_restore`). Returns each snapshot node and its entries, in site
+    order."""
+    by_site: dict[int, list[ContextWritten]] = {}
+    for w in segments.context_written:
+        by_site.setdefault(w.site.index, []).append(w)
+    snapshots = []
+    for entries in by_site.values():
+        site = entries[0].site
+        through = _ordering_input(site)
+        with emit.graph.inserting_before(site.node):
+            snap = emit.call(_SYNC.sync_context_snapshot.default, *_context_texts(entries),
+                             [x for w in entries for x in encode_layout(w.layout)], site.rows_like(), through)
+            snapshot = emit.call(operator.getitem, snap, 0)
+            copy = emit.call(operator.getitem, snap, 1)
+        site.node.replace_input_with(through, copy)
+        snapshots.append((snapshot, entries))
+    return snapshots
+
+
+def _context_texts(entries: Sequence[ContextWritten]) -> list[str]:
+    """Resolvers, handles, cache roles and slot roles of ``entries``, one per line each."""
+    return [_lines([w.ref.resolver for w in entries]), _lines([w.ref.handle for w in entries]),
+            _lines([w.ref.cache_role for w in entries]), _lines([w.ref.slots_role for w in entries])]
+
+
+def emit_context_verdict(emit: GraphEmitter, group: SyncGroup, segments: Segments, gathered: torch.fx.Node,
+                         index: torch.fx.Node, snapshots: Sequence[tuple[torch.fx.Node, list[ContextWritten]]],
+                         graph_snapshots: Sequence[torch.fx.Node]) -> torch.fx.Node:
+    """``pcppass.sync_context_verdict`` over every cache the collective's sites write, context
+    entries in the snapshots' order; returns the index copy every later op of the collective
+    takes. ``graph_snapshots``: graph-cache snapshots no graph verdict takes (they stay with the
+    step), which it only keeps alive."""
+    entries = [w for _, part in snapshots for w in part]
+    written = segments.written
+    caches = list(dict.fromkeys(w.cache for w in written))
+    position = {c: i for i, c in enumerate(caches)}
+    return emit.call(
+        _SYNC.sync_context_verdict.default, gathered, index, group.world_size, _FINGERPRINT_PENDING,
+        segments.count, group.verify_header, group.check_conflicts,
+        caches, [position[w.cache] for w in written], [w.slots_segment for w in written],
+        [x for w in written for x in encode_layout(w.layout)], _lines([w.site.label for w in written]),
+        *_context_texts(entries), [w.slots_segment for w in entries],
+        [x for w in entries for x in encode_layout(w.layout)], _lines([w.site.label for w in entries]),
+        [node for node, _ in snapshots], [len(part) for _, part in snapshots], list(graph_snapshots),
+        group.group_name, segments.context_final, fingerprint_at=3)
+
+
 def emit_verdict(emit: GraphEmitter, group: SyncGroup, segments: Segments, gathered: torch.fx.Node,
                  index: torch.fx.Node, snapshots: Sequence[tuple[torch.fx.Node, list[WrittenRows]]]) -> torch.fx.Node:
     """``pcppass.sync_verdict`` over every cache the collective's sites write (see
@@ -571,8 +671,19 @@ class AllGatherTransport(Transport):
         # no graph cache written (every site context-addressed): the header is checked as it is
         # read, and the context scatter and re-run check their own rows (a verdict over no caches
         # would also be a mutating op with nothing to mutate, which Inductor cannot lower)
-        checked = (group.verify_header or group.check_conflicts) and bool(segments.written)
-        snapshots = emit_snapshots(emit, segments) if checked and segments.restore else []
+        checks = group.verify_header or group.check_conflicts
+        # immediate: a later collective of the step writes a context-addressed cache, whose
+        # verdict may still refuse the step after this one's rows were applied
+        later_refusal = not segments.context_final
+        # a refused step writes back what the context-addressed sites wrote too, decided before any
+        # of the collective's scatters (and before the graph caches' verdict); a graph collective
+        # before a later context site is decided there too, so that its snapshots and the rows it
+        # applies stay with the step (the graph verdict would take its snapshots over)
+        context_checked = checks and (bool(segments.context_written) or (later_refusal and bool(segments.written)))
+        checked = checks and bool(segments.written) and not later_refusal
+        snapshots = (emit_snapshots(emit, segments)
+                     if checks and segments.written and (segments.restore or later_refusal) else [])
+        context_snapshots = emit_context_snapshots(emit, segments) if context_checked else []
         graph_rows = segments.graph_rows
         layouts = [x for rows in graph_rows for x in encode_layout(rows.layout)]
         packed = emit.call(_SYNC.sync_pack.default, _FINGERPRINT_PENDING,
@@ -582,9 +693,12 @@ class AllGatherTransport(Transport):
                              group.group_name)
         self.gathered = emit.call(_c10d.wait_tensor.default, gathered)
         self.index = emit.call(_SYNC.sync_read_header.default, self.gathered, group.world_size,
-                               _FINGERPRINT_PENDING, segments.count, group.verify_header and not checked,
-                               fingerprint_at=2)
+                               _FINGERPRINT_PENDING, segments.count,
+                               group.verify_header and not (checked or context_checked), fingerprint_at=2)
         self.segments = segments
+        if context_checked:
+            self.index = emit_context_verdict(emit, group, segments, self.gathered, self.index, context_snapshots,
+                                              [] if checked else [node for node, _ in snapshots])
         if checked:
             self.verdict = emit_verdict(emit, group, segments, self.gathered, self.index, snapshots)
 
@@ -687,10 +801,11 @@ def apply_in_graph_order(emit: GraphEmitter, transport: Transport, segments: Seg
 
 
 def emit_collective(emit: GraphEmitter, sites: Sequence[SyncSite], group: SyncGroup,
-                    make_transport: TransportFactory, *, snapshot: bool) -> None:
+                    make_transport: TransportFactory, *, snapshot: bool, context_final: bool = True) -> None:
     """Sync ``sites`` with one collective at the current insert point. ``snapshot``: the deferred
-    schedule (the sync runs long after the sites; see :meth:`_SegmentCollector.as_sent`)."""
-    segments = collect_segments(emit, sites, snapshot=snapshot)
+    schedule (the sync runs long after the sites; see :meth:`_SegmentCollector.as_sent`).
+    ``context_final``: no later collective of the step writes a context-addressed cache."""
+    segments = collect_segments(emit, sites, snapshot=snapshot, context_final=context_final)
     transport = make_transport(emit, group)
     transport.exchange(segments)
     apply_in_graph_order(emit, transport, segments)
@@ -804,9 +919,11 @@ def insert_sync(
             start_exchange_early(graph, plan.sites, emit.nodes)
             collectives = 1
         else:
-            for site in plan.sites:
+            last_context = max((i for i, site in enumerate(plan.sites) if site.context is not None), default=-1)
+            for i, site in enumerate(plan.sites):
                 with graph.inserting_before(site.node.next):
-                    emit_collective(emit, [site], group, transport, snapshot=False)
+                    emit_collective(emit, [site], group, transport, snapshot=False,
+                                    context_final=i >= last_context)
                 collectives += 1
     graph.lint()
     gm.recompile()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -339,9 +339,13 @@ def _valid(slots: torch.Tensor, cache: torch.Tensor, layout: ResolvedLayout) -> 
     return (slots >= 0) & (slots < num_slots(cache, layout))
 
 
-#: the snapshots taken so far by the step running inside :func:`restoring_on_failure`, until its
-#: verdict takes them over: (caches, slots, encoded layouts, snapshot)
+#: what writes back the snapshots taken so far by the step running inside
+#: :func:`restoring_on_failure`, until a verdict takes them over: (kind, write back)
 _PENDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("pcppass_pending_snapshots", default=None)
+
+#: the kind of graph-cache snapshots (``pcppass::sync_snapshot``; context-addressed caches have
+#: their own, :mod:`pcppass.sync.context_restore`)
+GRAPH = "graph"
 
 
 @contextlib.contextmanager
@@ -355,28 +359,36 @@ def restoring_on_failure() -> Iterator[None]:
     try:
         yield
     except BaseException:
-        for caches, slots, layouts, snapshot in reversed(pending):
-            restore_snapshots(caches, [snapshot], list(range(len(caches))), layouts, [len(caches)], slots)
+        for _, write_back in reversed(pending):
+            write_back()
         raise
     finally:
         _PENDING.reset(token)
 
 
-def remember_snapshot(caches: list[torch.Tensor], cache_slots: list[torch.Tensor], layouts: list[int],
-                      snapshot: torch.Tensor) -> torch.Tensor:
-    """Record a snapshot for :func:`restoring_on_failure` (when a step runs inside it)."""
+def remember_restore(kind: str, write_back: Callable[[], None]) -> None:
+    """Record how to write back a snapshot of ``kind`` for :func:`restoring_on_failure` (when a
+    step runs inside it)."""
     pending = _PENDING.get()
     if pending is not None:
-        pending.append((list(caches), list(cache_slots), list(layouts), snapshot))
+        pending.append((kind, write_back))
+
+
+def remember_snapshot(caches: list[torch.Tensor], cache_slots: list[torch.Tensor], layouts: list[int],
+                      snapshot: torch.Tensor) -> torch.Tensor:
+    """Record a graph-cache snapshot for :func:`restoring_on_failure`."""
+    caches, cache_slots, layouts = list(caches), list(cache_slots), list(layouts)
+    remember_restore(GRAPH, lambda: restore_snapshots(caches, [snapshot], list(range(len(caches))), layouts,
+                                                      [len(caches)], cache_slots))
     return snapshot
 
 
-def verdict_taken() -> None:
-    """The step reached its verdict: the snapshots are the verdict's now (it restores them when
-    it refuses the step)."""
+def verdict_taken(kind: str = GRAPH) -> None:
+    """The step reached the verdict over its snapshots of ``kind``: they are the verdict's now (it
+    writes them back when it refuses the step)."""
     pending = _PENDING.get()
     if pending is not None:
-        pending.clear()
+        pending[:] = [entry for entry in pending if entry[0] != kind]
 
 
 @torch.library.custom_op("pcppass::sync_snapshot", mutates_args=())
