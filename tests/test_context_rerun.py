@@ -187,7 +187,7 @@ def test_context_state_rerun_or_copy_by_bytes():
     for conflict in conflicts:
         assert conflict is not None and conflict[0] == "PcpSyncError", conflict
         assert conflict[1] == conflicts[0][1], "ranks raised different errors"
-        assert "writing layers.0: slot 1 was written by ranks [0, 1]" in conflict[1], conflict[1]
+        assert "writing layers.0 (state): slot 1 was written by ranks [0, 1]" in conflict[1], conflict[1]
         assert "every replica holds what it held before the step" in conflict[1], conflict[1]
         # every line as before the step: line 1 (both ranks advanced it) and each rank's own line
         assert conflict[3] == conflict[2], "a replica's state changed although the step was refused"

@@ -118,3 +118,59 @@ def test_hybrids_sharded_two_ranks(vllm_sharded_two, vllm_reference_tokens, vllm
     where = first_divergence(vllm_sharded_two["nemotron_h without the Mamba2 pattern, forced"])
     assert where is not None, "an unsynced state update did not make the replicas diverge"
     assert where[1] == STATE_LAYER["nemotron_h"], where
+
+
+def _two_owner_decode_step(rank: int, world: int, model_dir: str, model: str) -> dict:
+    """vLLM's model under the adapter until a decode step ran, then a decode step in which both
+    ranks also write the cache's last slot (their first row's K/V): the error, and the digest of
+    every KV cache and state tensor before and after the refused step."""
+    from pcppass.engine.layout import slot_key
+    from pcppass.engine.workload import RequestSpec
+    from pcppass.integrations.vllm.adapter import GROUP
+    from pcppass.integrations.vllm.sharded_check import (
+        PROMPTS, STAGGERED_MAX_TOKENS, ShardedCase, _build, engine_args_for,
+    )
+    from pcppass.registry import load_builtin_patterns
+
+    load_builtin_patterns()
+    case = ShardedCase(model, engine_args=HYBRID_ENGINE_ARGS[model])
+    _, runner, engine = _build(rank, world, model_dir, case)
+    last_slot = engine.num_blocks(GROUP) * engine_args_for(case)["block_size"] - 1
+    engine.add_requests([RequestSpec(i, tuple(p), n) for i, (p, n) in enumerate(zip(PROMPTS, STAGGERED_MAX_TOKENS))])
+    while engine.step().step_kind != "decode":
+        pass
+    before = engine.cache_digests()
+
+    def both_write_the_last_slot(input_ids, positions, meta, caches, step_kind):
+        key = slot_key(GROUP)
+        slots = meta[key].clone()
+        slots[0] = last_slot
+        return runner(input_ids, positions, {**meta, key: slots}, caches, step_kind)
+
+    engine.runner = both_write_the_last_slot
+    try:
+        record = engine.step()
+        return {"error": None, "kind": record.step_kind}
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        return {"error": f"{type(exc).__name__}: {exc}", "before": before, "after": engine.cache_digests()}
+
+
+@pytest.mark.timeout(400)
+def test_a_refused_two_owner_decode_step_leaves_every_kv_cache_and_state_as_before(vllm_hybrid_dirs, monkeypatch):
+    """NemotronH at P=2: a decode step in which both ranks write one KV slot is refused on both
+    ranks, and every KV cache and Mamba2 state (whose lines each rank's own op had already
+    advanced) holds on every rank what it held before the step."""
+    _env(monkeypatch)
+    monkeypatch.setenv("VLLM_USE_LAYERNAME", "1")
+    ranks = launch(_two_owner_decode_step, 2, str(vllm_hybrid_dirs["nemotron_h"]), "nemotron_h", timeout_s=380)
+    assert ranks[0]["error"] == ranks[1]["error"], [r["error"] for r in ranks]
+    error = ranks[0]["error"]
+    assert error is not None and error.startswith("PcpSyncError: "), error
+    assert "vllm::unified_kv_cache_update" in error and "(key_cache): slot" in error, error
+    assert "was written by ranks [0, 1]" in error, error
+    assert "every replica holds what it held before the step" in error, error
+    assert ranks[0]["before"] == ranks[1]["before"]
+    assert any(STATE_LAYER["nemotron_h"] in name for name in ranks[0]["before"]), sorted(ranks[0]["before"])
+    for rank, r in enumerate(ranks):
+        changed = sorted(name for name in r["before"] if r["after"][name] != r["before"][name])
+        assert not changed, f"rank {rank}: {changed} changed although the step was refused"

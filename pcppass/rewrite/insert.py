@@ -605,7 +605,8 @@ def emit_context_verdict(emit: GraphEmitter, group: SyncGroup, segments: Segment
         caches, [position[w.cache] for w in written], [w.slots_segment for w in written],
         [x for w in written for x in encode_layout(w.layout)], _lines([w.site.label for w in written]),
         *_context_texts(entries), [w.slots_segment for w in entries],
-        [x for w in entries for x in encode_layout(w.layout)], _lines([w.site.label for w in entries]),
+        [x for w in entries for x in encode_layout(w.layout)],
+        _lines([f"{w.site.op} at {w.site.source} writing {w.ref.handle} ({w.ref.cache_role})" for w in entries]),
         [node for node, _ in snapshots], [len(part) for _, part in snapshots], list(graph_snapshots),
         group.group_name, segments.context_final, fingerprint_at=3)
 
