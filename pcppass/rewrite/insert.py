@@ -634,10 +634,12 @@ class AllGatherTransport(Transport):
     scatter::
 
         snapshot = pcppass.sync_snapshot(caches, slots, layouts)    # deferred: before the first write
+        snap, x2 = pcppass.sync_context_snapshot(..., x, x)        # before a context site, which takes x2
         ...
         packed   = pcppass.sync_pack(fp, caches, slots, layouts, payloads)
         gathered = wait_tensor(all_gather_into_tensor(packed, world, group))
         index    = pcppass.sync_read_header(gathered, world, fp, n_segments, False)
+        index    = pcppass.sync_context_verdict(gathered, index, ..., [snap], ...)  # context caches
         verdict  = pcppass.sync_verdict(caches, gathered, index, ..., [snapshot], ...)
         pcppass.sync_scatter_rows_all(caches, gathered, index, rows_segs, slots_segs, layouts,
                                       group, labels, check_conflicts, verdict)    # apply_rows
@@ -650,7 +652,8 @@ class AllGatherTransport(Transport):
     the scatters into: a refused step applies no batch and re-runs nothing on any rank, and under
     the deferred schedule every rank writes back, from the snapshot, the rows its own ops wrote.
     (With the header and slot checks off, or no graph cache written, there is neither verdict nor
-    snapshot.)
+    snapshot.) With context-addressed caches, ``sync_context_verdict`` decides first, over graph
+    and context caches alike (:mod:`pcppass.sync.context_restore`).
     Context-addressed caches are resolved by the scatter at run time; it returns an empty token
     (:attr:`context_token`) that readers of those caches can wait on.
     """
@@ -662,6 +665,8 @@ class AllGatherTransport(Transport):
         self.index: torch.fx.Node | None = None
         self.verdict: torch.fx.Node | None = None
         self._context_token: torch.fx.Node | None = None
+        #: a context verdict decided the collective: the context scatter need not check again
+        self._context_decided = False
 
     @property
     def context_token(self) -> torch.fx.Node | None:
@@ -669,9 +674,9 @@ class AllGatherTransport(Transport):
 
     def exchange(self, segments: Segments) -> None:
         emit, group = self.emit, self.group
-        # no graph cache written (every site context-addressed): the header is checked as it is
-        # read, and the context scatter and re-run check their own rows (a verdict over no caches
-        # would also be a mutating op with nothing to mutate, which Inductor cannot lower)
+        # the graph verdict mutates the graph caches it writes back: only where some are written
+        # (a mutating op with nothing to mutate cannot be lowered by Inductor); context-addressed
+        # caches have their own verdict, which mutates no graph tensor
         checks = group.verify_header or group.check_conflicts
         # immediate: a later collective of the step writes a context-addressed cache, whose
         # verdict may still refuse the step after this one's rows were applied
@@ -697,6 +702,7 @@ class AllGatherTransport(Transport):
                                _FINGERPRINT_PENDING, segments.count,
                                group.verify_header and not (checked or context_checked), fingerprint_at=2)
         self.segments = segments
+        self._context_decided = context_checked
         if context_checked:
             self.index = emit_context_verdict(emit, group, segments, self.gathered, self.index, context_snapshots,
                                               [] if checked else [node for node, _ in snapshots])
@@ -722,7 +728,7 @@ class AllGatherTransport(Transport):
                 "\n".join(ref.cache_role for ref in refs),
                 [r.rows_segment for r in context_rows], [r.slots_segment for r in context_rows],
                 [x for r in context_rows for x in encode_layout(r.layout)], self.group.group_name,
-                _labels(context_rows), self.group.check_conflicts,
+                _labels(context_rows), self.group.check_conflicts and not self._context_decided,
             )
 
     def every_rank(self, segment: int, mask_own_rows: bool) -> torch.fx.Node:

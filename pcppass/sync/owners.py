@@ -18,6 +18,7 @@ sites) are compared by slot, which names the slot; other entries sharing a stora
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -58,6 +59,12 @@ def _storage(w: Written) -> tuple:
 def _element_runs(sizes: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
     """``[k, 2]`` (first element, count) of the contiguous runs the elements of one row cover,
     relative to the row's first element (sizes and strides of the row's own dims)."""
+    return _element_runs_of(tuple(int(x) for x in sizes), tuple(int(x) for x in strides))
+
+
+@functools.lru_cache(maxsize=256)
+def _element_runs_of(sizes: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
+    # one row shape per cache: the same few geometries every step (the result is never written)
     offsets = torch.zeros(1, dtype=torch.int64)
     for size, stride in zip(sizes, strides):
         offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
@@ -122,6 +129,28 @@ def _same_view_conflict(group: list[Written]) -> str | None:
     return f"{' and '.join(sites)}: slot {slot} was written by ranks {writers} in the same step{more}"
 
 
+def _span(w: Written) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of the storage that any element of ``w.cache`` lies in."""
+    c = w.cache
+    item = c.element_size()
+    start = c.storage_offset() * item
+    if not c.numel():
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(c.shape, c.stride()))
+    return start, start + (last + 1) * item
+
+
+def _views_may_overlap(views: Sequence[list[Written]]) -> bool:
+    """Whether two of the distinct views of one storage reach common bytes at all (K and V caches
+    that are two halves of one buffer never do: no byte ranges need comparing)."""
+    reach = None
+    for start, end in sorted(_span(group[0]) for group in views):
+        if reach is not None and start < reach:
+            return True
+        reach = end if reach is None else max(reach, end)
+    return False
+
+
 def _overlap(group: list[Written]) -> str | None:
     """Byte ranges two ranks wrote through different views of one storage."""
     world = len(group[0].slots)
@@ -176,7 +205,7 @@ def find_problems(written: Sequence[Written]) -> list[str]:
         for w in group:
             views.setdefault(_geometry(w), []).append(w)
         found = [p for p in map(_same_view_conflict, views.values()) if p is not None]
-        if not found and len(views) > 1:
+        if not found and len(views) > 1 and _views_may_overlap(list(views.values())):
             found = [p for p in [_overlap(group)] if p is not None]
         problems += found
     return problems
