@@ -17,6 +17,8 @@ rank raises the same error and every cache, context and graph, is as it was befo
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -400,3 +402,60 @@ def test_a_refused_two_owner_step_leaves_every_cache_as_before():
         for rank in range(2):
             assert ranks[rank][name][2] == ranks[rank][name][1], \
                 f"{name}: rank {rank}'s caches changed although the step was refused"
+
+
+class _Seen(Exception):
+    pass
+
+
+def _rewritten(model: torch.nn.Module, inputs: tuple, schedule: str) -> torch.fx.GraphModule:
+    """The graph Dynamo hands a backend, rewritten for 2 ranks (nothing runs)."""
+    from pcppass.analysis import find_state_writes
+    from pcppass.rewrite.insert import insert_sync
+    from pcppass.rewrite.plan import plan_sync
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        plan = plan_sync([w for w in find_state_writes(gm) if w.covered])
+        insert_sync(gm, plan, schedule=schedule, group_name="0", world_size=2)
+        seen.append(gm)
+        raise _Seen
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    except Exception:  # noqa: BLE001 - Dynamo wraps what the backend raised
+        if not seen:
+            raise
+    return seen[0]
+
+
+@pytest.mark.parametrize("schedule", ["deferred", "immediate"])
+def test_the_snapshot_precedes_each_context_write_and_the_verdict_every_scatter(schedule):
+    """What orders the restore, in the graph itself (a CPU run keeps FX order whatever the edges):
+    each context write takes the snapshot's copy of its row input, and every op that applies rows
+    or re-runs takes the index the verdict returns."""
+    register_resolver("ctxtest", resolve, replace=True)
+    _fresh_context()
+    x, slots = _step_inputs(0, 0, 2)
+    _set_slots(slots)
+    k, v = torch.zeros(BLOCKS, BLOCK, 2, 4), torch.zeros(BLOCKS, BLOCK, 2, 4)
+    gm = _rewritten(MixedModel(False), (x, slots, k, v), schedule)
+    ops = torch.ops.pcppass
+    snapshots = gm.graph.find_nodes(op="call_function", target=ops.sync_context_snapshot.default)
+    verdicts = gm.graph.find_nodes(op="call_function", target=ops.sync_context_verdict.default)
+    writes = [n for t in (torch.ops.ctxtest.write_rows, torch.ops.ctxtest.write_rows.default)
+              for n in gm.graph.find_nodes(op="call_function", target=t)]
+    assert len(writes) == len(snapshots) == 2
+    for write in writes:
+        (copy,) = [n for n in write.all_input_nodes if n.target is operator.getitem and n.args[1] == 1]
+        assert copy.args[0] in snapshots, write.format_node()
+    # deferred: one collective; immediate: one per site (graph-only ones decided there too)
+    assert len(verdicts) == (1 if schedule == "deferred" else 3)
+    appliers = [ops.sync_scatter_context.default, ops.sync_scatter_rows_all.default, ops.sync_unpack.default,
+                ops.sync_verdict.default]
+    applied = [n for t in appliers for n in gm.graph.find_nodes(op="call_function", target=t)]
+    assert applied
+    for node in applied:
+        assert any(a in verdicts for a in node.all_input_nodes), node.format_node()

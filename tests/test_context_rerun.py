@@ -10,9 +10,10 @@ state line (64 floats), so RERUN is chosen; a resolver that vouches nothing gets
 both byte counts recorded either way. Rows change owner every step. After every step the states
 are bitwise equal on both ranks and equal to one process applying every row's update, with one
 collective per step, under eager, aot_eager and Inductor (the re-run op has no graph output: it
-must survive dead-code elimination). Two ranks writing one state line: every rank raises the same
-error before re-running anything, and every state is as it was before the step on every rank
-(each rank writes back the lines its own op advanced, from the snapshot taken before the op).
+must survive dead-code elimination). Two ranks writing one state line, or one rank advancing a line
+from two rows: every rank raises the same error before re-running anything, and every state is as
+it was before the step on every rank (each rank writes back the lines its own op advanced, from
+the snapshot taken before the op).
 """
 
 from __future__ import annotations
@@ -126,14 +127,27 @@ def _rank_run(rank: int, world: int, inner: str, exact: bool, steps: int = 3):
     return states, report.all_gather_nodes, [(w.state, w.recipe.value, dict(w.recipe_bytes)) for w in report.writes]
 
 
-def _rank_conflict(rank: int, world: int) -> tuple[str, str, list[bytes], list[bytes]] | None:
-    """Both ranks advance line 1 in one step, each also its own line 2 + rank: the refusal, and
-    every layer's whole state before and after the refused step."""
+#: two owners of one state line in one step: (every rank's lines, what the error names)
+CONFLICTS = {
+    # both ranks advance line 1, each also its own line 2 + rank
+    "two_ranks": ([[1, 2, -1, -1], [1, 3, -1, -1]], "writing layers.0 (state): slot 1 was written by ranks [0, 1]"),
+    # rank 0 advances line 1 from two rows
+    "one_rank_twice": ([[1, 1, -1, -1], [2, 3, -1, -1]], "rank 0 advanced state line 1 from more than one row"),
+}
+
+
+def _rank_conflict(rank: int, world: int, lines: list[list[int]]) -> tuple[str, str, list[bytes], list[bytes]] | None:
+    """A step with ``lines[rank]`` on each rank: the refusal, and every layer's whole state before
+    and after the refused step."""
+    import torch.distributed as dist
+
     register_resolver("ctxrerun", resolve, effect=_effect(True), rerun=rerun, replace=True)
     _fresh()
-    compiled = torch.compile(Model(), backend=PcpBackend(inner="eager", schedule="deferred"), fullgraph=True)
+    torch._dynamo.reset()
+    backend = PcpBackend(group=dist.new_group(list(range(world))), inner="eager", schedule="deferred")
+    compiled = torch.compile(Model(), backend=backend, fullgraph=True)
     x, _ = _step(0, rank, world)
-    _set_lines(torch.tensor([1, 2 + rank, -1, -1]))
+    _set_lines(torch.tensor(lines[rank]))
     before = [CONTEXT[name]["state"].numpy().tobytes() for name in LAYERS]
     try:
         compiled(x)
@@ -151,7 +165,7 @@ def _rank_all(rank: int, world: int):
         torch._dynamo.reset()
         results.append(_rank_run(rank, world, inner, exact))
     torch._dynamo.reset()
-    return results, _rank_conflict(rank, world)  # last: a failed step aborts the process group
+    return results, {name: _rank_conflict(rank, world, lines) for name, (lines, _) in CONFLICTS.items()}
 
 
 def _reference(world: int, steps: int = 3) -> list[dict[str, torch.Tensor]]:
@@ -183,15 +197,16 @@ def test_context_state_rerun_or_copy_by_bytes():
                 for name in LAYERS:
                     assert torch.equal(torch.from_numpy(states[step][name]), reference[step][name]), \
                         (inner, exact, rank, step, name)
-    conflicts = [ranks[rank][1] for rank in range(world)]
-    for conflict in conflicts:
-        assert conflict is not None and conflict[0] == "PcpSyncError", conflict
-        assert conflict[1] == conflicts[0][1], "ranks raised different errors"
-        assert "writing layers.0 (state): slot 1 was written by ranks [0, 1]" in conflict[1], conflict[1]
-        assert "every replica holds what it held before the step" in conflict[1], conflict[1]
-        # every line as before the step: line 1 (both ranks advanced it) and each rank's own line
-        assert conflict[3] == conflict[2], "a replica's state changed although the step was refused"
-    assert conflicts[0][2] == conflicts[1][2]
+    for name, (_, names) in CONFLICTS.items():
+        conflicts = [ranks[rank][1][name] for rank in range(world)]
+        for conflict in conflicts:
+            assert conflict is not None and conflict[0] == "PcpSyncError", (name, conflict)
+            assert conflict[1] == conflicts[0][1], (name, "ranks raised different errors")
+            assert names in conflict[1], (name, conflict[1])
+            assert "every replica holds what it held before the step" in conflict[1], (name, conflict[1])
+            # every line as before the step: the contested line and each rank's own lines
+            assert conflict[3] == conflict[2], (name, "a replica's state changed although the step was refused")
+        assert conflicts[0][2] == conflicts[1][2], name
 
 
 def test_alternative_recipes_are_checked():

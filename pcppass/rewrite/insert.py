@@ -209,8 +209,11 @@ class Segments:
     written: tuple[WrittenRows, ...] = ()
     #: every context-addressed cache the sites write, with its slot segment, in site order
     context_written: tuple[ContextWritten, ...] = ()
-    #: no later collective of the step writes a context-addressed cache: this one's verdict is
-    #: the last that can refuse the step (deferred: always; immediate: the last such site's)
+    #: the immediate schedule, on a step that writes context-addressed caches: every collective
+    #: of the step is decided by a context verdict, and the rows it applies stay with the step
+    #: (written back if a later collective refuses it)
+    context_step: bool = False
+    #: the step's last collective (deferred: its only one): no later verdict can refuse the step
     context_final: bool = True
     #: the deferred schedule: a refused step writes back what the sites wrote (snapshots)
     restore: bool = False
@@ -292,7 +295,7 @@ class _SegmentCollector:
 
 
 def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot: bool,
-                     context_final: bool = True) -> Segments:
+                     context_step: bool = False, context_final: bool = True) -> Segments:
     """The segments that sync ``sites``: every cache written by a ``COPY_ROWS`` site (its slots
     as a payload; a context-addressed cache's rows and slots, read at run time, as two payloads)
     and every per-row input of a ``RERUN`` site, as payloads (a context-addressed one's state
@@ -335,7 +338,7 @@ def collect_segments(emit: GraphEmitter, sites: Sequence[SyncSite], *, snapshot:
         context_after=_step_outputs(emit.graph) if snapshot and (
             contexts or any(lines is not None for _, _, lines in reruns)) else (),
         written=_written_rows(rows, rerun_inputs), context_written=_context_written(rows, rerun_inputs),
-        context_final=context_final, restore=snapshot,
+        context_step=context_step, context_final=context_final, restore=snapshot,
     )
 
 
@@ -607,6 +610,7 @@ def emit_context_verdict(emit: GraphEmitter, group: SyncGroup, segments: Segment
         *_context_texts(entries), [w.slots_segment for w in entries],
         [x for w in entries for x in encode_layout(w.layout)],
         _lines([f"{w.site.op} at {w.site.source} writing {w.ref.handle} ({w.ref.cache_role})" for w in entries]),
+        [i for i, w in enumerate(entries) if w.site.recipe is Recipe.RERUN],
         [node for node, _ in snapshots], [len(part) for _, part in snapshots], list(graph_snapshots),
         group.group_name, segments.context_final, fingerprint_at=3)
 
@@ -678,17 +682,16 @@ class AllGatherTransport(Transport):
         # (a mutating op with nothing to mutate cannot be lowered by Inductor); context-addressed
         # caches have their own verdict, which mutates no graph tensor
         checks = group.verify_header or group.check_conflicts
-        # immediate: a later collective of the step writes a context-addressed cache, whose
-        # verdict may still refuse the step after this one's rows were applied
-        later_refusal = not segments.context_final
         # a refused step writes back what the context-addressed sites wrote too, decided before any
-        # of the collective's scatters (and before the graph caches' verdict); a graph collective
-        # before a later context site is decided there too, so that its snapshots and the rows it
-        # applies stay with the step (the graph verdict would take its snapshots over)
-        context_checked = checks and (bool(segments.context_written) or (later_refusal and bool(segments.written)))
-        checked = checks and bool(segments.written) and not later_refusal
+        # of the collective's scatters (and before the graph caches' verdict). Under the immediate
+        # schedule a step with context sites has every collective decided there, graph-only ones
+        # too, so that their snapshots and the rows they apply stay with the step until its last
+        # collective (the graph verdict would take its snapshots over)
+        context_step = segments.context_step
+        context_checked = checks and (bool(segments.context_written) or (context_step and bool(segments.written)))
+        checked = checks and bool(segments.written) and not context_step
         snapshots = (emit_snapshots(emit, segments)
-                     if checks and segments.written and (segments.restore or later_refusal) else [])
+                     if checks and segments.written and (segments.restore or context_step) else [])
         context_snapshots = emit_context_snapshots(emit, segments) if context_checked else []
         graph_rows = segments.graph_rows
         layouts = [x for rows in graph_rows for x in encode_layout(rows.layout)]
@@ -718,7 +721,7 @@ class AllGatherTransport(Transport):
                 [r.cache for r in graph_rows], self.gathered, self.index,
                 [r.rows_segment for r in graph_rows], [r.slots_segment for r in graph_rows],
                 [x for r in graph_rows for x in encode_layout(r.layout)], self.group.group_name,
-                _labels(graph_rows), self.group.check_conflicts, self.verdict,
+                _labels(graph_rows), self.group.check_conflicts and not self._context_decided, self.verdict,
             )
         if context_rows:
             refs = [r.cache for r in context_rows]
@@ -808,11 +811,13 @@ def apply_in_graph_order(emit: GraphEmitter, transport: Transport, segments: Seg
 
 
 def emit_collective(emit: GraphEmitter, sites: Sequence[SyncSite], group: SyncGroup,
-                    make_transport: TransportFactory, *, snapshot: bool, context_final: bool = True) -> None:
+                    make_transport: TransportFactory, *, snapshot: bool, context_step: bool = False,
+                    context_final: bool = True) -> None:
     """Sync ``sites`` with one collective at the current insert point. ``snapshot``: the deferred
     schedule (the sync runs long after the sites; see :meth:`_SegmentCollector.as_sent`).
-    ``context_final``: no later collective of the step writes a context-addressed cache."""
-    segments = collect_segments(emit, sites, snapshot=snapshot, context_final=context_final)
+    ``context_step``, ``context_final``: see :class:`Segments`."""
+    segments = collect_segments(emit, sites, snapshot=snapshot, context_step=context_step,
+                                context_final=context_final)
     transport = make_transport(emit, group)
     transport.exchange(segments)
     apply_in_graph_order(emit, transport, segments)
@@ -926,11 +931,11 @@ def insert_sync(
             start_exchange_early(graph, plan.sites, emit.nodes)
             collectives = 1
         else:
-            last_context = max((i for i, site in enumerate(plan.sites) if site.context is not None), default=-1)
+            context_step = any(site.context is not None for site in plan.sites)
             for i, site in enumerate(plan.sites):
                 with graph.inserting_before(site.node.next):
-                    emit_collective(emit, [site], group, transport, snapshot=False,
-                                    context_final=i >= last_context)
+                    emit_collective(emit, [site], group, transport, snapshot=False, context_step=context_step,
+                                    context_final=i == len(plan.sites) - 1)
                 collectives += 1
     graph.lint()
     gm.recompile()

@@ -1,4 +1,4 @@
-"""A refused step leaves context-addressed caches as they were before it (deferred schedule).
+"""A refused step leaves context-addressed caches as they were before it.
 
 An op such as vLLM's ``unified_kv_cache_update(key, value, layer_name)`` fetches its cache and
 slot mapping by handle at run time and declares no write, so no graph tensor stands for what it
@@ -24,7 +24,17 @@ the same error; the graph caches' snapshots are written back as the step fails
 after this one). Else it returns a copy of ``index`` that every later op of the collective
 takes, which orders them after it.
 
-The copy of the row input is one tensor of the step's rows (a decode step's few rows).
+Under the immediate schedule (one collective per site) a later site may still refuse the step
+after an earlier collective applied its rows: on a step with context sites every collective is
+decided by this verdict, and until the step's last one it also records, before its scatter
+overwrites them, the rows at the other ranks' slots (graph caches' own rows are snapshotted
+too), so that a refusal anywhere writes back every row the step changed.
+
+Cost per context site: a copy of one op input (the step's rows of it: a decode step's few rows,
+a prefill chunk's every token under the immediate schedule) and a read of this rank's rows through
+the resolver; under the immediate schedule also a read of the other ranks' rows before each
+scatter. These are host-checked ops (not CUDA-graph capturable, as the context sync already is
+not).
 """
 
 from __future__ import annotations
@@ -187,6 +197,7 @@ def sync_context_verdict(
     slots_segments: list[int],
     layouts: list[int],
     sites: str,
+    rerun_entries: list[int],
     snapshots: list[torch.Tensor],
     snapshot_counts: list[int],
     graph_snapshots: list[torch.Tensor],
@@ -197,7 +208,9 @@ def sync_context_verdict(
     scatters or re-runs (see the module docstring). Context entry ``i``: line ``i`` of
     ``resolvers`` / ``handles`` / ``cache_roles`` / ``slots_roles`` / ``sites``, its slots in
     segment ``slots_segments[i]``; graph entry ``j``: ``graph_caches[graph_entries[j]]``, its
-    slots in ``graph_slots_segments[j]``. Snapshot ``k`` covers the next ``snapshot_counts[k]``
+    slots in ``graph_slots_segments[j]``. ``rerun_entries``: the context entries whose slots are
+    a re-run's state lines (one row per line in the whole step: a re-run of two rows on one line
+    would depend on their order). Snapshot ``k`` covers the next ``snapshot_counts[k]``
     context entries. ``graph_snapshots``: snapshots of graph caches that stay with the step (only
     read to keep them). Refused: the snapshots are written back and the same
     :class:`~pcppass.errors.PcpSyncError` is raised on every rank. Else a copy of ``index``.
@@ -220,13 +233,13 @@ def sync_context_verdict(
                     for c, seg, lay, label in zip(graph_entries, graph_slots_segments, decode_layouts(graph_layouts),
                                                   site_labels(graph_sites, len(graph_entries)))]
         problems += find_problems(written)
+        problems += _lines_written_twice(entries, slots_segments, sites, rerun_entries, gathered, index)
     if problems:  # written back here, and again (the same bytes) with the rest of the step's
         # snapshots as the error leaves the step (restoring_on_failure)
-        start = 0
-        for snapshot, count in zip(snapshots, snapshot_counts):
-            part = entries[start:start + count]
+        starts = [sum(snapshot_counts[:k]) for k in range(len(snapshot_counts))]
+        for snapshot, start, count in reversed(list(zip(snapshots, starts, snapshot_counts))):
+            part = entries[start:start + count]  # latest first: a row two sites wrote gets the older bytes
             write_back(snapshot, [_resolve(e)[1] for e in part], [e[4] for e in part])
-            start += count
         raise PcpSyncError("; ".join(problems) + _RESTORED)
     if final:
         # the step stands: nothing is written back any more
@@ -238,6 +251,23 @@ def sync_context_verdict(
         _remember_other_ranks_rows(caches, layouts_all, [*slots_segments, *graph_slots_segments], gathered, index,
                                    _group_rank(group_name))
     return index.clone()
+
+
+def _lines_written_twice(entries: list[Entry], slots_segments: list[int], sites: str, rerun_entries: list[int],
+                         gathered: torch.Tensor, index: torch.Tensor) -> list[str]:
+    """A state line two rows of one rank's re-run site advanced (two ranks: :func:`find_problems`)."""
+    labels = site_labels(sites, len(entries))
+    problems = []
+    for segment in dict.fromkeys(slots_segments[i] for i in rerun_entries):
+        label = labels[next(i for i in rerun_entries if slots_segments[i] == segment)]
+        for rank, lines in enumerate(every_rank_slots(gathered, index, segment)):
+            unique, counts = torch.unique(lines[lines >= 0], return_counts=True)
+            if bool((counts > 1).any()):
+                problems.append(f"{label}: rank {rank} advanced state line {int(unique[counts > 1][0])} from "
+                                f"more than one row in this step; a re-run of those rows would depend on "
+                                f"their order")
+                break
+    return problems
 
 
 def _remember_other_ranks_rows(caches: list[torch.Tensor | None], layouts: list[ResolvedLayout],
@@ -262,7 +292,8 @@ def _remember_other_ranks_rows(caches: list[torch.Tensor | None], layouts: list[
 def _sync_context_verdict_fake(gathered, index, world_size, fingerprint, num_segments, verify_header,
                                check_conflicts, graph_caches, graph_entries, graph_slots_segments, graph_layouts,
                                graph_sites, resolvers, handles, cache_roles, slots_roles, slots_segments, layouts,
-                               sites, snapshots, snapshot_counts, graph_snapshots, group_name, final):
+                               sites, rerun_entries, snapshots, snapshot_counts, graph_snapshots, group_name,
+                               final):
     return torch.empty_like(index)
 
 
