@@ -517,8 +517,19 @@ class Transport(abc.ABC):
 TransportFactory = Callable[[GraphEmitter, SyncGroup], Transport]
 
 
+def _lines(values: Sequence[str]) -> str:
+    """One value per line (a value's own line breaks become spaces)."""
+    return "\n".join(v.replace("\n", " ") for v in values)
+
+
 def _labels(rows: Sequence[CacheRows]) -> str:
-    return "\n".join(r.site.label.replace("\n", " ") for r in rows)
+    return _lines([r.site.label for r in rows])
+
+
+def _cache_positions(written: Sequence[WrittenRows]) -> tuple[list[torch.fx.Node], dict[torch.fx.Node, int]]:
+    """The distinct graph caches ``written`` writes, and each one's position among them."""
+    caches = list(dict.fromkeys(w.cache for w in written))
+    return caches, {c: i for i, c in enumerate(caches)}
 
 
 def emit_snapshots(emit: GraphEmitter, segments: Segments) -> list[tuple[torch.fx.Node, list[WrittenRows]]]:
@@ -543,10 +554,6 @@ def emit_snapshots(emit: GraphEmitter, segments: Segments) -> list[tuple[torch.f
                              [w.local_slots for w in entries], [x for w in entries for x in encode_layout(w.layout)])
         snapshots.append((node, entries))
     return snapshots
-
-
-def _lines(values: Sequence[str]) -> str:
-    return "\n".join(v.replace("\n", " ") for v in values)
 
 
 def _ordering_input(site: SyncSite) -> torch.fx.Node:
@@ -600,8 +607,7 @@ def emit_context_verdict(emit: GraphEmitter, group: SyncGroup, segments: Segment
     step), which it only keeps alive."""
     entries = [w for _, part in snapshots for w in part]
     written = segments.written
-    caches = list(dict.fromkeys(w.cache for w in written))
-    position = {c: i for i, c in enumerate(caches)}
+    caches, position = _cache_positions(written)
     return emit.call(
         _SYNC.sync_context_verdict.default, gathered, index, group.world_size, _FINGERPRINT_PENDING,
         segments.count, group.verify_header, group.check_conflicts,
@@ -620,14 +626,13 @@ def emit_verdict(emit: GraphEmitter, group: SyncGroup, segments: Segments, gathe
     """``pcppass.sync_verdict`` over every cache the collective's sites write (see
     :class:`AllGatherTransport`)."""
     written = segments.written
-    caches = list(dict.fromkeys(w.cache for w in written))
-    position = {c: i for i, c in enumerate(caches)}
+    caches, position = _cache_positions(written)
     restored = [w for _, entries in snapshots for w in entries]
     return emit.call(
         _SYNC.sync_verdict.default, caches, gathered, index, group.world_size, _FINGERPRINT_PENDING,
         segments.count, group.verify_header, [position[w.cache] for w in written],
         [w.slots_segment for w in written], [x for w in written for x in encode_layout(w.layout)],
-        "\n".join(w.site.label.replace("\n", " ") for w in written), group.check_conflicts,
+        _lines([w.site.label for w in written]), group.check_conflicts,
         [node for node, _ in snapshots], [w.local_slots for w in restored], [position[w.cache] for w in restored],
         [x for w in restored for x in encode_layout(w.layout)], [len(entries) for _, entries in snapshots],
         group.group_name, fingerprint_at=4)

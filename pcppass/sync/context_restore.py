@@ -60,6 +60,7 @@ from pcppass.sync.rows import (
     site_labels,
     verdict_taken,
     write_rows,
+    written_entries,
 )
 from pcppass.spec import ResolvedLayout
 
@@ -159,13 +160,13 @@ def _sync_context_snapshot_fake(resolvers, handles, cache_roles, slots_roles, la
     return rows_like.new_empty((size,), dtype=torch.uint8), torch.empty_like(through)
 
 
-def _context_written(entries: list[Entry], slots_segments: list[int], sites: str, gathered: torch.Tensor,
-                     index: torch.Tensor) -> tuple[list[Written], list[str]]:
-    """Every context entry the collective writes as :class:`Written` (its cache resolved now, every
-    rank's slots), and the problems of entries this rank has no cache for while a rank wrote rows."""
+def _context_written(entries: list[Entry], caches: list[torch.Tensor | None], slots_segments: list[int], sites: str,
+                     gathered: torch.Tensor, index: torch.Tensor) -> tuple[list[Written], list[str]]:
+    """Every context entry the collective writes as :class:`Written` (its cache as resolved now,
+    every rank's slots), and the problems of entries this rank has no cache for while a rank wrote
+    rows."""
     written, problems = [], []
-    for entry, segment, label in zip(entries, slots_segments, site_labels(sites, len(entries))):
-        _, cache = _resolve(entry)
+    for entry, cache, segment, label in zip(entries, caches, slots_segments, site_labels(sites, len(entries))):
         slots = every_rank_slots(gathered, index, segment)
         if cache is not None:
             written.append(Written(cache, entry[4], label, slots))
@@ -227,28 +228,28 @@ def sync_context_verdict(
         _, problem = _read_headers(gathered, world_size, fingerprint, num_segments)
         problems = [problem] if problem is not None else []
     entries = _entries(resolvers, handles, cache_roles, slots_roles, layouts)
+    caches = [_resolve(e)[1] for e in entries]
     if not problems and check_conflicts:
-        written, problems = _context_written(entries, slots_segments, sites, gathered, index)
-        written += [Written(graph_caches[c], lay, label, every_rank_slots(gathered, index, seg))
-                    for c, seg, lay, label in zip(graph_entries, graph_slots_segments, decode_layouts(graph_layouts),
-                                                  site_labels(graph_sites, len(graph_entries)))]
+        written, problems = _context_written(entries, caches, slots_segments, sites, gathered, index)
+        written += written_entries(graph_caches, gathered, index, graph_entries, graph_slots_segments,
+                                   graph_layouts, graph_sites)
         problems += find_problems(written)
         problems += _lines_written_twice(entries, slots_segments, sites, rerun_entries, gathered, index)
     if problems:  # written back here, and again (the same bytes) with the rest of the step's
         # snapshots as the error leaves the step (restoring_on_failure)
         starts = [sum(snapshot_counts[:k]) for k in range(len(snapshot_counts))]
         for snapshot, start, count in reversed(list(zip(snapshots, starts, snapshot_counts))):
-            part = entries[start:start + count]  # latest first: a row two sites wrote gets the older bytes
-            write_back(snapshot, [_resolve(e)[1] for e in part], [e[4] for e in part])
+            # latest first: a row two sites wrote gets the older bytes
+            write_back(snapshot, caches[start:start + count], [e[4] for e in entries[start:start + count]])
         raise PcpSyncError("; ".join(problems) + _RESTORED)
     if final:
         # the step stands: nothing is written back any more
         verdict_taken(CONTEXT)
         verdict_taken(GRAPH)
     else:
-        caches = [_resolve(e)[1] for e in entries] + [graph_caches[c] for c in graph_entries]
+        every_cache = caches + [graph_caches[c] for c in graph_entries]
         layouts_all = [e[4] for e in entries] + decode_layouts(graph_layouts)
-        _remember_other_ranks_rows(caches, layouts_all, [*slots_segments, *graph_slots_segments], gathered, index,
+        _remember_other_ranks_rows(every_cache, layouts_all, [*slots_segments, *graph_slots_segments], gathered, index,
                                    _group_rank(group_name))
     return index.clone()
 

@@ -451,7 +451,7 @@ def sync_problems(caches: list[torch.Tensor], gathered: torch.Tensor, index: tor
     """What refuses a step, read from the gathered buffer alike on every rank: headers that differ
     (``verify_header``), slots outside their cache and bytes two ranks wrote (``check_conflicts``;
     :mod:`pcppass.sync.owners`)."""
-    from pcppass.sync.owners import Written, find_problems
+    from pcppass.sync.owners import find_problems
 
     if verify_header:
         _, problem = _read_headers(gathered, world_size, fingerprint, num_segments)
@@ -459,11 +459,18 @@ def sync_problems(caches: list[torch.Tensor], gathered: torch.Tensor, index: tor
             return [problem]
     if not check_conflicts:
         return []
-    decoded = decode_layouts(layouts)
+    return find_problems(written_entries(caches, gathered, index, entry_caches, slots_segments, layouts, sites))
+
+
+def written_entries(caches: list[torch.Tensor], gathered: torch.Tensor, index: torch.Tensor,
+                    entry_caches: list[int], slots_segments: list[int], layouts: list[int], sites: str) -> list:
+    """Entry ``i`` (``caches[entry_caches[i]]``, its slots in segment ``slots_segments[i]``) as an
+    :class:`pcppass.sync.owners.Written` with every rank's slots."""
+    from pcppass.sync.owners import Written
+
     labels = site_labels(sites, len(entry_caches))
-    written = [Written(caches[c], lay, label, every_rank_slots(gathered, index, seg))
-               for c, seg, lay, label in zip(entry_caches, slots_segments, decoded, labels)]
-    return find_problems(written)
+    return [Written(caches[c], lay, label, every_rank_slots(gathered, index, seg))
+            for c, seg, lay, label in zip(entry_caches, slots_segments, decode_layouts(layouts), labels)]
 
 
 _RESTORED = (". The step was refused on every rank: no rank applied another rank's rows, and every rank "
